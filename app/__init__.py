@@ -1,0 +1,1 @@
+"""Molt Studio web app: dashboard, REST API and the `molt` command line."""

@@ -1,0 +1,1 @@
+"""Molt Studio daemon: supervises training runs and records them in SQLite."""

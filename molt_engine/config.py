@@ -1,0 +1,107 @@
+"""The run configuration: one validated pydantic model, so bad input fails before any work with the field named."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = ["RunConfig", "ValidationError", "config_errors"]
+
+
+class _Strict(BaseModel):
+    # Unknown keys are typos the user wants to hear about, and `false` must not silently become 0.0.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelConfig(_Strict):
+    preset: str | None = Field("tiny-dense", description="built-in architecture, randomly initialised")
+    path: str | None = Field(None, description="local Hugging Face causal-LM directory (overrides preset)")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v):
+        from .models import PRESETS
+        if v is not None and v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.preset is None and self.path is None:
+            raise ValueError("set model.preset or model.path")
+        return self
+
+
+class LoopConfig(_Strict):
+    steps: int = Field(200, gt=0, description="optimizer steps (policy versions) to train")
+    groups_per_step: int = Field(8, gt=0, description="prompts per batch")
+    group_size: int = Field(8, gt=0, description="episodes sampled per prompt")
+    max_staleness: int = Field(0, ge=0, description="max policy versions between sampling and training; 0 = on-policy")
+    workers: int | None = Field(None, gt=0, description="concurrent rollout groups; default groups_per_step x (max_staleness+1)")
+    temperature: float = Field(1.0, gt=0)
+    eval_every: int = Field(20, ge=0, description="steps between evals on held-out seeds; 0 = off")
+    eval_episodes: int = Field(32, gt=0)
+    env_error_window: int = Field(32, gt=0, description="episodes; the run stops when more than half of them failed")
+
+
+class AlgoConfig(_Strict):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = "grpo"
+    loss: Literal["ppo", "gspo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    is_level: Literal["off", "token", "seq", "geo"] = "token"
+    is_mode: Literal["mask", "clip", "trunc"] = "trunc"
+    is_low: float = Field(0.0, ge=0)
+    is_high: float = Field(2.0, gt=0)
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy; 0 = no reference")
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    lr: float = Field(2e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
+
+    @model_validator(mode="after")
+    def _band(self):
+        if self.is_low > self.is_high:
+            raise ValueError(f"is_low ({self.is_low}) must not exceed is_high ({self.is_high})")
+        return self
+
+
+class WarmStartConfig(_Strict):
+    steps: int = Field(0, ge=0, description="supervised steps on env demonstrations before RL; 0 = none")
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(3e-3, gt=0)
+
+
+class RunConfig(_Strict):
+    env: str
+    env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    seed: int = Field(0, ge=0, lt=2**30)
+    loop: LoopConfig = Field(default_factory=LoopConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, v):
+        from .envs import ENVS
+        if v not in ENVS:
+            raise ValueError(f"unknown env {v!r}; known: {', '.join(sorted(ENVS))}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        from .algo import GROUP_ESTIMATORS
+        if self.loop.group_size < 2 and self.algo.estimator in GROUP_ESTIMATORS:
+            raise ValueError(f"loop.group_size must be >= 2 with the group estimator {self.algo.estimator!r}")
+        from .envs import make_env
+        try:
+            make_env(self.env, self.env_args)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"env_args: {e}") from None
+        return self
+
+
+def config_errors(e: ValidationError) -> list[str]:
+    """One readable line per problem, each naming the field (`loop.steps: ...`)."""
+    return [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in e.errors()]

@@ -1,0 +1,212 @@
+"""Text environments the agents train on: the Env contract, the registry, and the built-in envs."""
+import asyncio
+import importlib.util
+import random
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Observation:
+    text: str
+    images: list = field(default_factory=list)  # PIL images, for multimodal envs later
+
+
+@dataclass
+class Result:
+    reward: float
+    observation: str = ""  # feedback appended to the context as non-trained tokens ("" = none)
+    terminated: bool = False
+    truncated: bool = False
+    info: dict = field(default_factory=dict)  # e.g. {"tool_call": True}, {"success": True}
+    images: list = field(default_factory=list)
+
+
+class Env:
+    """Subclass, set the class attributes, implement reset/step/demonstration."""
+
+    name: str = ""
+    max_turns: int = 1  # policy turns per episode; the engine truncates after this many
+    max_tokens: int = 8  # max generated tokens per policy turn (the turn also ends at eos)
+    success_reward: float = 1.0  # reward at or above which an episode counts as passed
+
+    def __init__(self, **kwargs):
+        # Env args come from run configs, so a typo must fail loudly instead of being ignored.
+        if kwargs:
+            raise TypeError(f"env {self.name!r} got unknown args: {', '.join(sorted(kwargs))}")
+
+    async def reset(self, seed: int) -> Observation:
+        raise NotImplementedError
+
+    async def step(self, action: str) -> Result:
+        raise NotImplementedError
+
+    def demonstration(self, seed: int) -> list[str]:
+        raise NotImplementedError
+
+
+ENVS: dict[str, type[Env]] = {}
+
+
+def register(cls: type[Env]) -> type[Env]:
+    """Class decorator: make an env available to configs under cls.name."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in ENVS:
+        raise ValueError(f"env {cls.name!r} is already registered (by {ENVS[cls.name].__name__})")
+    ENVS[cls.name] = cls
+    return cls
+
+
+def make_env(name: str, args: dict | None = None) -> Env:
+    # Names are only looked up, never imported: configs can arrive over the network.
+    if name not in ENVS:
+        raise ValueError(f"unknown env {name!r}; known envs: {', '.join(sorted(ENVS))}")
+    return ENVS[name](**(args or {}))
+
+
+def load_agents_dir(path) -> list[str]:
+    """Import every *.py file of a local directory; return the env names they registered."""
+    before = set(ENVS)
+    for file in sorted(Path(path).resolve().glob("*.py")):
+        module_name = f"molt_agents.{file.stem}"
+        loaded = sys.modules.get(module_name)
+        # A daemon may load the same directory for every run; re-running it would re-register.
+        if loaded is not None and getattr(loaded, "__file__", None) == str(file):
+            continue
+        spec = importlib.util.spec_from_file_location(module_name, file)
+        module = importlib.util.module_from_spec(spec)
+        # Registered before exec so that dataclasses and pickling inside the file can find it.
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+    return [name for name in ENVS if name not in before]
+
+
+def _parse_int(text: str) -> int | None:
+    text = text.strip()
+    return int(text) if re.fullmatch(r"-?\d{1,9}", text) else None
+
+
+def _final(correct: bool) -> Result:
+    return Result(reward=1.0 if correct else 0.0, terminated=True, info={"success": correct})
+
+
+@register
+class MaxDigit(Env):
+    """Single turn: answer the largest of a few digits. Prompt "7 2 9 4=", answer "9"."""
+
+    name = "max_digit"
+    max_tokens = 4
+
+    @staticmethod
+    def _digits(seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randint(0, 9) for _ in range(rng.randint(3, 5))]
+
+    async def reset(self, seed: int) -> Observation:
+        digits = self._digits(seed)
+        self._answer = max(digits)
+        return Observation(" ".join(map(str, digits)) + "=")
+
+    async def step(self, action: str) -> Result:
+        return _final(action.strip() == str(self._answer))
+
+    def demonstration(self, seed: int) -> list[str]:
+        return [str(max(self._digits(seed)))]
+
+
+# The only tool syntax accepted; operands are plain non-negative integers, never evaluated as code.
+_TOOL_CALL = re.compile(r"calc (\d{1,6})([-+*])(\d{1,6})")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+@register
+class Calculator(Env):
+    """Tool use: "Q 347*29\\n" -> action "calc 347*29" -> "=10063\\n" -> action "10063"."""
+
+    name = "calculator"
+    max_turns = 3
+    max_tokens = 12
+
+    def __init__(self, *, tool_latency_ms: float = 0.0, tail_prob: float = 0.0, tail_ms: float = 0.0, **unknown):
+        super().__init__(**unknown)
+        if tool_latency_ms < 0 or tail_ms < 0 or not 0.0 <= tail_prob <= 1.0:
+            raise ValueError("calculator: latencies must be >= 0 and tail_prob in [0, 1]")
+        self.tool_latency_ms, self.tail_prob, self.tail_ms = tool_latency_ms, tail_prob, tail_ms
+
+    @staticmethod
+    def _question(rng: random.Random) -> tuple[int, str, int]:
+        return rng.randint(10, 999), rng.choice("+-*"), rng.randint(1, 99)
+
+    async def reset(self, seed: int) -> Observation:
+        # The same generator then draws the latency tails, so slow calls are reproducible per seed.
+        self._rng = random.Random(seed)
+        a, op, b = self._question(self._rng)
+        self._answer = _OPS[op](a, b)
+        return Observation(f"Q {a}{op}{b}\n")
+
+    async def step(self, action: str) -> Result:
+        action = action.strip()
+        if not action.startswith("calc"):
+            return _final(_parse_int(action) == self._answer)
+        slow = self._rng.random() < self.tail_prob
+        latency_ms = self.tail_ms if slow else self.tool_latency_ms
+        if latency_ms > 0:
+            await asyncio.sleep(latency_ms / 1000)
+        call = _TOOL_CALL.fullmatch(action)
+        if call is None:
+            return Result(reward=0.0, observation="err\n", info={"tool_call": True})
+        a, op, b = call.groups()
+        return Result(reward=0.0, observation=f"={_OPS[op](int(a), int(b))}\n", info={"tool_call": True})
+
+    def demonstration(self, seed: int) -> list[str]:
+        a, op, b = self._question(random.Random(seed))
+        return [f"calc {a}{op}{b}", str(_OPS[op](a, b))]
+
+
+@register
+class GuessNumber(Env):
+    """Feedback: "guess 1-16\\n" -> "8" -> "higher\\n" -> "12" -> ... until the hidden number is hit."""
+
+    name = "guess_number"
+    max_tokens = 4
+
+    def __init__(self, *, high: int = 16, turns: int = 5, **unknown):
+        super().__init__(**unknown)
+        if high < 1 or turns < 1:
+            raise ValueError("guess_number: high and turns must be >= 1")
+        self.high = high
+        self.max_turns = turns  # instance attribute: the engine reads max_turns from the env it made
+
+    def _secret(self, seed: int) -> int:
+        return random.Random(seed).randint(1, self.high)
+
+    async def reset(self, seed: int) -> Observation:
+        self._secret_number = self._secret(seed)
+        return Observation(f"guess 1-{self.high}\n")
+
+    async def step(self, action: str) -> Result:
+        guess = _parse_int(action)
+        if guess is None:
+            return Result(reward=0.0, observation="?\n")
+        if guess < self._secret_number:
+            return Result(reward=0.0, observation="higher\n")
+        if guess > self._secret_number:
+            return Result(reward=0.0, observation="lower\n")
+        return _final(True)
+
+    def demonstration(self, seed: int) -> list[str]:
+        # Binary search: ceil(log2(high + 1)) guesses at most, 5 for the default 1-16.
+        secret, low, high, guesses = self._secret(seed), 1, self.high, []
+        while True:
+            guess = (low + high) // 2
+            guesses.append(str(guess))
+            if guess == secret:
+                return guesses
+            low, high = (guess + 1, high) if guess < secret else (low, guess - 1)

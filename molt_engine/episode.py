@@ -1,0 +1,69 @@
+"""The token-first episode record, the one data shape from env to loss, and its collation into padded tensors."""
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Episode:
+    """Per token: the id, whether the policy generated it (trained) or not (prompt, env feedback), the behaviour
+    log-prob recorded at sampling time (0 for non-actions) and the policy version that produced it (-1 otherwise)."""
+    seed: int
+    group: int
+    token_ids: list[int] = field(default_factory=list)
+    is_action: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    images: list = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # turns, tool_calls, success, truncated
+
+    def extend(self, ids, *, action=False, logprobs=None, versions=None):
+        self.token_ids += ids
+        self.is_action += [action] * len(ids)
+        self.logprobs += logprobs if action else [0.0] * len(ids)
+        self.versions += versions if action else [-1] * len(ids)
+
+    @property
+    def n_actions(self) -> int:
+        return sum(self.is_action)
+
+    @property
+    def oldest_version(self) -> int:
+        """The staleness of an episode is that of its oldest trained token."""
+        return min((v for v, a in zip(self.versions, self.is_action) if a), default=-1)
+
+
+def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad to a batch. Position t of `targets`/`action_mask`/`behav_logp`/`versions` is the token predicted by
+    logits at t, i.e. token t+1 of the input; position ids are explicit so padding never shifts positions."""
+    width = max(len(e.token_ids) for e in episodes)
+    ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(episodes), width), dtype=torch.long)
+    action = torch.zeros((len(episodes), width), dtype=torch.bool)
+    behav = torch.zeros((len(episodes), width), dtype=torch.float32)
+    versions = torch.full((len(episodes), width), -1, dtype=torch.long)
+    for i, e in enumerate(episodes):
+        n = len(e.token_ids)
+        ids[i, width - n:] = torch.tensor(e.token_ids)
+        mask[i, width - n:] = 1
+        action[i, width - n:] = torch.tensor(e.is_action)
+        behav[i, width - n:] = torch.tensor(e.logprobs, dtype=torch.float32)
+        versions[i, width - n:] = torch.tensor(e.versions)
+    return {
+        "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+        "targets": ids[:, 1:], "action_mask": action[:, 1:], "behav_logp": behav[:, 1:], "versions": versions[:, 1:],
+    }
+
+
+def token_logprobs(model, batch, temperature: float, *, with_entropy=False):
+    """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]), optionally the entropy."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

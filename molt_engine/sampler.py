@@ -1,0 +1,130 @@
+"""The sampler: one KV-cache decode loop, dynamically batched across all episodes, stamping log-prob and version per token."""
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+
+@dataclass
+class Request:
+    context: list[int]            # the whole episode so far: prompt, earlier actions, env feedback
+    max_tokens: int
+    greedy: bool
+    generator: torch.Generator    # per request, so an episode's samples don't depend on who shares its batch
+    future: asyncio.Future | None = None
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, model, eos_id: int, pad_id: int, temperature: float, version: int = 0):
+        self.model = model.eval()
+        self.eos_id, self.pad_id, self.temperature = eos_id, pad_id, temperature
+        self.version = version
+        self.pending: list[Request] = []   # submitted, joins the batch at the next step
+        self.active: list[Request] = []    # rows of the KV cache, in order
+        self.cache = None                  # DynamicCache over the active rows, left-padded
+        self.mask = None                   # [rows, T] attention mask of the cache
+        self.new_weights = None            # (state_dict, version) published by the trainer
+        self.wake = asyncio.Event()
+        self.stats = {"steps": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0, "tokens": 0}
+
+    def publish(self, state_dict, version: int):
+        """Called by the trainer; the swap happens between decode steps, never inside one."""
+        self.new_weights = (state_dict, version)
+        self.wake.set()
+
+    async def generate(self, context, max_tokens, *, greedy=False, seed=0) -> Request:
+        req = Request(list(context), max_tokens, greedy, torch.Generator().manual_seed(seed))
+        req.future = asyncio.get_running_loop().create_future()
+        self.pending.append(req)
+        self.wake.set()
+        return await req.future
+
+    async def run(self):
+        """The sampler coroutine: heavy work goes to a thread so envs and the trainer keep running."""
+        while True:
+            if not (self.pending or self.active):
+                t0 = time.perf_counter()
+                self.wake.clear()
+                await self.wake.wait()
+                self.stats["idle_s"] += time.perf_counter() - t0
+                continue
+            t0 = time.perf_counter()
+            finished = await asyncio.to_thread(self.step)
+            self.stats["busy_s"] += time.perf_counter() - t0
+            for req in finished:
+                if not req.future.done():  # its episode may have been cancelled
+                    req.future.set_result(req)
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One decode step: swap weights if published, prefill joining requests, decode one token for every other
+        row, retire finished rows. Returns the finished requests."""
+        if self.new_weights is not None:
+            (state_dict, self.version), self.new_weights = self.new_weights, None
+            self.model.load_state_dict(state_dict)
+        joining, self.pending = self.pending, []
+        if self.active:
+            last = torch.tensor([[r.ids[-1]] for r in self.active])
+            self.mask = F.pad(self.mask, (0, 1), value=1)
+            out = self.model(input_ids=last, attention_mask=self.mask, position_ids=self.mask.sum(1, keepdim=True) - 1,
+                             cache=self.cache, use_cache=True)
+            self.cache = out.cache
+            self._sample(self.active, out.logits[:, -1])
+        if joining:
+            self._join(joining)
+        self.stats["steps"] += 1
+        self.stats["rows"] += len(self.active)
+        done = [r.ids[-1] == self.eos_id or len(r.ids) >= r.max_tokens for r in self.active]
+        finished = [r for r, d in zip(self.active, done) if d]
+        if finished:
+            self._retire([i for i, d in enumerate(done) if not d])
+        return finished
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor):
+        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        for req, row in zip(rows, logp):
+            token = int(row.argmax()) if req.greedy else int(torch.multinomial(row.exp(), 1, generator=req.generator))
+            req.ids.append(token)
+            req.logprobs.append(float(row[token]))
+            req.versions.append(self.version)
+        self.stats["tokens"] += len(rows)
+
+    def _join(self, reqs: list[Request]):
+        """Prefill the new requests as one left-padded batch, sample their first token, merge their cache rows."""
+        width = max(len(r.context) for r in reqs)
+        ids = torch.tensor([[self.pad_id] * (width - len(r.context)) + r.context for r in reqs])
+        mask = torch.tensor([[0] * (width - len(r.context)) + [1] * len(r.context) for r in reqs])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                         cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+        self._sample(reqs, out.logits[:, -1])
+        if not self.active:
+            self.active, self.cache, self.mask = reqs, out.cache, mask
+            return
+        # Left-pad the shorter of the two caches so both have the same length, then stack the rows.
+        old_len, new_len = self.mask.shape[1], width
+        total = max(old_len, new_len)
+        for old, new in zip(self.cache.layers, out.cache.layers):
+            old.keys = torch.cat([F.pad(old.keys, (0, 0, total - old_len, 0)), F.pad(new.keys, (0, 0, total - new_len, 0))])
+            old.values = torch.cat([F.pad(old.values, (0, 0, total - old_len, 0)), F.pad(new.values, (0, 0, total - new_len, 0))])
+        self.mask = torch.cat([F.pad(self.mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
+        self.active = self.active + reqs
+
+    def _retire(self, keep: list[int]):
+        """Drop finished rows from the cache, and the leading columns that only padding still uses."""
+        if not keep:
+            self.active, self.cache, self.mask = [], None, None
+            return
+        index = torch.tensor(keep)
+        mask = self.mask[index]
+        start = int((mask.sum(0) > 0).nonzero()[0])
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, start:]
+            layer.values = layer.values[index, :, start:]
+        self.mask = mask[:, start:]
+        self.active = [self.active[i] for i in keep]
