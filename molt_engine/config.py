@@ -32,13 +32,14 @@ class ModelConfig(_Strict):
 
 class LoopConfig(_Strict):
     steps: int = Field(200, gt=0, description="optimizer steps (policy versions) to train")
-    groups_per_step: int = Field(8, gt=0, description="prompts per batch")
+    groups_per_step: int = Field(16, gt=0, description="prompts per batch")
     group_size: int = Field(8, gt=0, description="episodes sampled per prompt")
     max_staleness: int = Field(0, ge=0, description="max policy versions between sampling and training; 0 = on-policy")
     workers: int | None = Field(None, gt=0, description="concurrent rollout groups; default groups_per_step x (max_staleness+1)")
     temperature: float = Field(1.0, gt=0)
     eval_every: int = Field(20, ge=0, description="steps between evals on held-out seeds; 0 = off")
     eval_episodes: int = Field(32, gt=0)
+    threads: int = Field(1, gt=0, description="torch intra-op threads; the sampler and trainer already run in parallel")
     env_error_window: int = Field(32, gt=0, description="episodes; the run stops when more than half of them failed")
 
 
@@ -53,7 +54,7 @@ class AlgoConfig(_Strict):
     is_high: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy; 0 = no reference")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    lr: float = Field(2e-3, gt=0)
+    lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
@@ -66,7 +67,7 @@ class AlgoConfig(_Strict):
 
 
 class WarmStartConfig(_Strict):
-    steps: int = Field(0, ge=0, description="supervised steps on env demonstrations before RL; 0 = none")
+    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none")
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0)
 

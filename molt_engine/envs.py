@@ -106,8 +106,13 @@ class MaxDigit(Env):
 
     @staticmethod
     def _digits(seed: int) -> list[int]:
+        # The largest digit is drawn uniformly: with i.i.d. digits it is 8 or 9 most of the time, "always say 9"
+        # scores ~0.5, and the rare small maxima never get learned.
         rng = random.Random(seed)
-        return [rng.randint(0, 9) for _ in range(rng.randint(3, 5))]
+        top = rng.randint(0, 9)
+        digits = [top] + [rng.randint(0, top) for _ in range(rng.randint(2, 4))]
+        rng.shuffle(digits)
+        return digits
 
     async def reset(self, seed: int) -> Observation:
         digits = self._digits(seed)
@@ -134,15 +139,19 @@ class Calculator(Env):
     max_turns = 3
     max_tokens = 12
 
-    def __init__(self, *, tool_latency_ms: float = 0.0, tail_prob: float = 0.0, tail_ms: float = 0.0, **unknown):
+    def __init__(self, *, tool_latency_ms: float = 0.0, tail_prob: float = 0.0, tail_ms: float = 0.0,
+                 max_operand: int = 99, **unknown):
         super().__init__(**unknown)
         if tool_latency_ms < 0 or tail_ms < 0 or not 0.0 <= tail_prob <= 1.0:
             raise ValueError("calculator: latencies must be >= 0 and tail_prob in [0, 1]")
+        if not 10 <= max_operand <= 999_999:
+            raise ValueError("calculator: max_operand must be in [10, 999999]")
         self.tool_latency_ms, self.tail_prob, self.tail_ms = tool_latency_ms, tail_prob, tail_ms
+        self.max_operand = max_operand
 
-    @staticmethod
-    def _question(rng: random.Random) -> tuple[int, str, int]:
-        return rng.randint(10, 999), rng.choice("+-*"), rng.randint(1, 99)
+    def _question(self, rng: random.Random) -> tuple[int, str, int]:
+        # Two-digit operands by default: a product a tiny model can't do in its head, short enough to copy.
+        return rng.randint(10, self.max_operand), rng.choice("+-*"), rng.randint(2, self.max_operand)
 
     async def reset(self, seed: int) -> Observation:
         # The same generator then draws the latency tails, so slow calls are reproducible per seed.

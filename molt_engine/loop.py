@@ -57,6 +57,7 @@ def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Pat
 class Run:
     def __init__(self, cfg: RunConfig, sink: Sink, out_dir=None):
         self.cfg, self.sink = cfg, sink
+        torch.set_num_threads(cfg.loop.threads)
         self.out_dir = Path(out_dir) if out_dir else None
         self.model, self.tokenizer = load_policy(cfg.model, cfg.seed)
         self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
@@ -230,14 +231,15 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm))
-        self.optimizer.step()
+        if grad_norm > 0:  # no signal (all advantages 0): Adam's momentum alone would still move the weights
+            self.optimizer.step()
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         rewards = torch.tensor([e.reward for e in episodes])
         staleness = (self.version - batch["versions"])[mask].float()
         metrics = {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
-            "policy_loss": float(loss), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+            "policy_loss": loss.item(), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
             "entropy": float(masked_mean(entropy, mask)),
             "response_length": sum(e.n_actions for e in episodes) / len(episodes),
             "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
@@ -302,7 +304,7 @@ class Run:
                 optimizer.zero_grad(set_to_none=True)
                 nll.backward()
                 optimizer.step()
-                return float(nll)
+                return nll.item()
             loss = await asyncio.to_thread(sft_step)
         self.sink.event("warm_start", f"{ws.steps} supervised steps on demonstrations, final loss {loss:.3f}",
                         steps=ws.steps, loss=loss)

@@ -68,6 +68,10 @@ class Sampler:
         if self.new_weights is not None:
             (state_dict, self.version), self.new_weights = self.new_weights, None
             self.model.load_state_dict(state_dict)
+            if self.active:
+                # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
+                # exactly that of the version it is tagged with (what the trainer's recomputation will check).
+                self.cache, self.mask, _ = self._prefill([r.context + r.ids[:-1] for r in self.active])
         joining, self.pending = self.pending, []
         if self.active:
             last = torch.tensor([[r.ids[-1]] for r in self.active])
@@ -95,21 +99,26 @@ class Sampler:
             req.versions.append(self.version)
         self.stats["tokens"] += len(rows)
 
-    def _join(self, reqs: list[Request]):
-        """Prefill the new requests as one left-padded batch, sample their first token, merge their cache rows."""
-        width = max(len(r.context) for r in reqs)
-        ids = torch.tensor([[self.pad_id] * (width - len(r.context)) + r.context for r in reqs])
-        mask = torch.tensor([[0] * (width - len(r.context)) + [1] * len(r.context) for r in reqs])
+    def _prefill(self, seqs: list[list[int]]):
+        """Run sequences as one left-padded batch: their cache, attention mask and last-position logits."""
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in seqs])
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          cache=DynamicCache(), use_cache=True, logits_to_keep=1)
-        self._sample(reqs, out.logits[:, -1])
+        return out.cache, mask, out.logits[:, -1]
+
+    def _join(self, reqs: list[Request]):
+        """Prefill the new requests, sample their first token, merge their rows into the running cache."""
+        cache, mask, logits = self._prefill([r.context for r in reqs])
+        self._sample(reqs, logits)
         if not self.active:
-            self.active, self.cache, self.mask = reqs, out.cache, mask
+            self.active, self.cache, self.mask = reqs, cache, mask
             return
         # Left-pad the shorter of the two caches so both have the same length, then stack the rows.
-        old_len, new_len = self.mask.shape[1], width
+        old_len, new_len = self.mask.shape[1], mask.shape[1]
         total = max(old_len, new_len)
-        for old, new in zip(self.cache.layers, out.cache.layers):
+        for old, new in zip(self.cache.layers, cache.layers):
             old.keys = torch.cat([F.pad(old.keys, (0, 0, total - old_len, 0)), F.pad(new.keys, (0, 0, total - new_len, 0))])
             old.values = torch.cat([F.pad(old.values, (0, 0, total - old_len, 0)), F.pad(new.values, (0, 0, total - new_len, 0))])
         self.mask = torch.cat([F.pad(self.mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])

@@ -1,0 +1,207 @@
+"""The token-first contract's invariants (DESIGN §1): token, logprob and version consistency, proven on real runs."""
+import asyncio
+import copy
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import molt_engine.loop as loop_mod
+from molt_engine import Env, Observation, Result, register, train
+from molt_engine.envs import ENVS
+from molt_engine.episode import collate, token_logprobs
+from molt_engine.models import char_tokenizer, load_policy
+from molt_engine.config import ModelConfig
+from molt_engine.sampler import Request, Sampler
+
+SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """Record every batch the trainer collates and every generation the sampler returns."""
+    seen = {"batches": [], "generations": [], "losses": []}
+    real_collate, real_generate, real_loss = loop_mod.collate, Sampler.generate, loop_mod.policy_loss
+
+    def spy_collate(episodes, pad_id):
+        batch = real_collate(episodes, pad_id)
+        seen["batches"].append((episodes, batch))
+        return batch
+
+    async def spy_generate(self, context, max_tokens, **kw):
+        req = await real_generate(self, context, max_tokens, **kw)
+        seen["generations"].append(req)
+        return req
+
+    def spy_loss(logp, prox, behav, adv, mask, **kw):
+        seen["losses"].append((logp.detach().clone(), behav.clone(), mask.clone()))
+        return real_loss(logp, prox, behav, adv, mask, **kw)
+
+    monkeypatch.setattr(loop_mod, "collate", spy_collate)
+    monkeypatch.setattr(Sampler, "generate", spy_generate)
+    monkeypatch.setattr(loop_mod, "policy_loss", spy_loss)
+    return seen
+
+
+class Echo(Env):
+    """Two turns; the feedback repeats the action as text, which a merging tokenizer encodes differently."""
+    name = "test_echo"
+    max_turns = 2
+    max_tokens = 6
+
+    async def reset(self, seed):
+        return Observation("ab=")
+
+    async def step(self, action):
+        self.turn = getattr(self, "turn", 0) + 1
+        return Result(reward=float(action.count("a")), observation=action + "=", terminated=self.turn == 2)
+
+    def demonstration(self, seed):
+        return ["a", "a"]
+
+
+def merging_model_dir(tmp_path):
+    """A tiny policy whose tokenizer has both 'a','b' and the merged 'ab': sampled [a][b] decodes to "ab",
+    which re-encodes as [ab] — so any re-tokenization of generated text would show up."""
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "a": 3, "b": 4, "ab": 5, "=": 6}
+    tok = Tokenizer(models.BPE(vocab, merges=[("a", "b")], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("=", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=7, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    fast.save_pretrained(tmp_path)
+    return fast
+
+
+def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture):
+    ENVS.setdefault("test_echo", Echo)
+    tokenizer = merging_model_dir(tmp_path)
+    train({"env": "test_echo", "model": {"preset": None, "path": str(tmp_path)}, "loop": {**SMALL, "steps": 3}})
+    generated = {}  # (context, ids) -> the log-probs of each generation that produced them
+    for r in capture["generations"]:
+        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
+    retokenized_differs = 0
+    n_episodes = 0
+    for episodes, batch in capture["batches"]:
+        for row, ep in enumerate(episodes):
+            n_episodes += 1
+            # Every maximal run of action tokens is exactly one sampler generation, continuing exactly the context
+            # before it, with its recorded log-probs.
+            runs, p = [], 0
+            while p < len(ep.token_ids):
+                end = p
+                while end < len(ep.token_ids) and ep.is_action[end] == ep.is_action[p]:
+                    end += 1
+                if ep.is_action[p]:
+                    runs.append((p, end))
+                p = end
+            sampled = []
+            for start, end in runs:
+                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
+                sampled += ep.token_ids[start:end]
+                ids = [t for t in ep.token_ids[start:end] if t != tokenizer.eos_token_id]
+                retokenized_differs += tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] != ids
+            # The trained positions of the collated batch are those tokens, with those ids, and nothing else.
+            trained = batch["targets"][row][batch["action_mask"][row]].tolist()
+            assert trained == sampled
+            assert len(sampled) == ep.n_actions > 0
+    assert n_episodes == 3 * 2 * 4
+    assert retokenized_differs > 0  # the hazard was really there
+
+
+def test_on_policy_recomputed_logprobs_equal_recorded(capture):
+    summary = train({"env": "calculator", "loop": {**SMALL, "steps": 4, "max_staleness": 0}, "warm_start": {"steps": 3}})
+    assert len(capture["losses"]) == 4
+    for logp, behav, mask in capture["losses"]:
+        assert mask.any()
+        assert (logp[mask] - behav[mask]).abs().max() <= 1e-5
+        ratio = torch.exp(logp[mask] - behav[mask])
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5)
+    assert summary["staleness_max"] == 0
+
+
+class Gated(Env):
+    """Group 0's episodes wait until the trainer has moved on by several versions, so they come back stale."""
+    name = "test_gated"
+    gate: asyncio.Event | None = None
+
+    async def reset(self, seed):
+        self.slow = (seed & 0xFFFFFFFF) == 0
+        return Observation("7 2=")
+
+    async def step(self, action):
+        if self.slow:
+            await self.gate.wait()
+        return Result(reward=float(action.strip() == "7"), terminated=True)
+
+    def demonstration(self, seed):
+        return ["7"]
+
+
+def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
+    ENVS.setdefault("test_gated", Gated)
+    k = 1
+    real_update = loop_mod.Run.update
+
+    def slow_update(self, groups):
+        # A deliberately slow trainer: extra compute per step, so rollouts run ahead as far as admission lets them.
+        for _ in range(30):
+            token_logprobs(self.model, collate([e for g in groups for e in g], self.pad_id), 1.0)
+        return real_update(self, groups)
+    monkeypatch.setattr(loop_mod.Run, "update", slow_update)
+
+    steps = []
+
+    class Sink(loop_mod.NullSink):
+        def metrics(self, step, values):
+            steps.append(values)
+            if values.get("version", 0) >= k + 2:
+                Gated.gate.set()
+
+    async def run():
+        Gated.gate = asyncio.Event()
+        cfg = loop_mod.RunConfig.model_validate(
+            {"env": "test_gated", "loop": {**SMALL, "steps": 8, "max_staleness": k}})
+        return await loop_mod.Run(cfg, Sink()).run()
+    asyncio.run(run())
+
+    for values in steps:
+        assert values["staleness_max"] <= k
+    assert max(v["staleness_max"] for v in steps) == k       # rollout really overlapped training
+    assert sum(v["stale_dropped"] for v in steps) == 4       # group 0 (4 episodes) came back too stale
+    trained_groups = {ep.group for episodes, _ in capture["batches"] for ep in episodes}
+    assert 0 not in trained_groups
+
+
+def test_weight_swap_mid_generation_tags_versions():
+    tok = char_tokenizer()
+    old, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    new, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=2)
+    sampler = Sampler(copy.deepcopy(old), tok.eos_token_id, tok.pad_token_id, temperature=1.0, version=0)
+    context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
+    other = tok("9 2=", add_special_tokens=False)["input_ids"]
+    # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text).
+    reqs = [Request(context, 8, False, torch.Generator().manual_seed(0)),
+            Request(other, 8, False, torch.Generator().manual_seed(1))]
+    sampler.pending += reqs
+    for _ in range(3):
+        sampler.step()
+    sampler.publish(new.state_dict(), 1)
+    while sampler.active:
+        sampler.step()
+    for req in reqs:
+        n = len(req.ids)
+        assert n > 3  # the swap really happened mid-generation
+        assert req.versions == [0] * min(3, n) + [1] * (n - 3)
+        # Each token's recorded log-prob is that of the weights it is tagged with.
+        for version, model in [(0, old), (1, new)]:
+            ids = torch.tensor([req.context + req.ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
+            for i, v in enumerate(req.versions):
+                if v == version:
+                    assert abs(float(full[i]) - req.logprobs[i]) <= 1e-5
