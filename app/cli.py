@@ -19,6 +19,8 @@ def main(argv=None):
     t.add_argument("--max-staleness", type=int, help="policy versions a sample may lag; 0 = on-policy")
     t.add_argument("--seed", type=int)
     t.add_argument("--out", type=Path, help="output directory (default runs/<env>-<time>)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --out (its saved config is used unless --config)")
     t.set_defaults(func=cmd_train)
 
     args = parser.parse_args(argv)
@@ -29,7 +31,16 @@ def cmd_train(args) -> int:
     from molt_engine import RunConfig, config_errors, train
     from molt_engine.config import ValidationError
 
-    config = json.loads(args.config.read_text()) if args.config else {}
+    if args.resume and not args.out:
+        print("--resume needs --out, the directory of the run to continue", file=sys.stderr)
+        return 2
+    saved = args.out / "config.json" if args.out else None
+    if args.config:
+        config = json.loads(args.config.read_text())
+    elif args.resume and saved.exists():
+        config = json.loads(saved.read_text())
+    else:
+        config = {}
     for key, value in [("env", args.env), ("seed", args.seed)]:
         if value is not None:
             config[key] = value
@@ -44,9 +55,11 @@ def cmd_train(args) -> int:
         print("invalid config:\n  " + "\n  ".join(config_errors(e)), file=sys.stderr)
         return 2
     out = args.out or Path("runs") / f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.model_dump_json(indent=1))
     sink = ProgressSink(cfg.loop.steps)
     try:
-        summary = train(cfg, sink, out_dir=out)
+        summary = train(cfg, sink, out_dir=out, resume=args.resume)
     finally:
         sink.bar.close()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
@@ -66,7 +79,7 @@ class ProgressSink:
         if "reward_mean" in values:
             self.rewards.append(values["reward_mean"])
             self.postfix.update(reward=f"{values['reward_mean']:.2f}", avg10=f"{sum(self.rewards[-10:]) / len(self.rewards[-10:]):.2f}")
-            self.bar.update(1)
+            self.bar.update(step + 1 - self.bar.n)  # a resumed run starts mid-way
         if "eval_reward" in values:
             self.postfix["eval"] = f"{values['eval_reward']:.2f}"
         self.bar.set_postfix(self.postfix, refresh=True)
@@ -78,6 +91,9 @@ class ProgressSink:
         self.bar.write(f"{kind}: {message}")
 
     def checkpoint(self, step, path, **info):
+        pass
+
+    def heartbeat(self):
         pass
 
 

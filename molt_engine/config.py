@@ -72,6 +72,41 @@ class WarmStartConfig(_Strict):
     lr: float = Field(3e-3, gt=0)
 
 
+class CheckpointConfig(_Strict):
+    every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only on stop")
+    keep: int = Field(3, gt=0, description="newest checkpoints kept on disk (the best by eval reward is kept too)")
+
+
+class BreakerConfig(_Strict):
+    factor: float = Field(10.0, gt=1, description="trip when the grad norm exceeds factor x the rolling median")
+    window: int = Field(50, gt=0, description="healthy steps in the rolling median")
+    min_history: int = Field(10, gt=0, description="healthy steps needed before the median rule applies")
+    abs_max: float | None = Field(None, gt=0, description="trip above this grad norm regardless of history")
+    cooldown: int = Field(3, ge=0, description="healthy steps of strict on-policy admission after a trip")
+    max_trips: int = Field(3, gt=0, description="trips within trip_window that trigger a rollback")
+    trip_window: int = Field(50, gt=0)
+    max_rollbacks: int = Field(1, ge=0, description="rollbacks before a run that keeps tripping ends as tripped")
+
+
+class AlertsConfig(_Strict):
+    window: int = Field(10, gt=0, description="steps over which the stale-dropped share is measured")
+    stale_share: float = Field(0.2, gt=0, le=1, description="alert when this share of samples is dropped as stale")
+    staleness_max: int | None = Field(None, ge=0, description="alert when a trained token is this many versions old")
+    mismatch_kl: float = Field(0.05, gt=0, description="alert when the behaviour-vs-recomputed KL exceeds this")
+
+
+class DrillsConfig(_Strict):
+    """Injected faults, so that users and tests can prove the alarms and the supervisor work."""
+    spike_at: list[int] = Field(default_factory=list, description="steps whose gradient gets a spike of spike_norm")
+    spike_norm: float = Field(1e3, gt=0)
+    nan_at: list[int] = Field(default_factory=list, description="steps whose loss is NaN")
+    crash_at: list[int] = Field(default_factory=list, description="steps at which the process dies (os._exit)")
+    crash_repeat: bool = Field(False, description="crash at those steps on every attempt, not just the first")
+    hang_at: list[int] = Field(default_factory=list, description="steps at which the event loop blocks (no heartbeat)")
+    hang_seconds: float = Field(3600.0, gt=0)
+    env_error_rate: float = Field(0.0, ge=0, le=1, description="share of env steps that raise")
+
+
 class RunConfig(_Strict):
     env: str
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
@@ -80,6 +115,10 @@ class RunConfig(_Strict):
     loop: LoopConfig = Field(default_factory=LoopConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    drills: DrillsConfig = Field(default_factory=DrillsConfig)
 
     @field_validator("env")
     @classmethod

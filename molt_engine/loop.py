@@ -1,16 +1,24 @@
 """The training loop: rollout workers, the sampler, the trainer and the evaluator in one asyncio.TaskGroup."""
 import asyncio
 import copy
+import dataclasses
 import math
+import os
+import random
+import signal
+import threading
 import time
 import traceback
 from collections import deque
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from . import checkpoint
 from .algo import GROUP_ESTIMATORS, advantages, masked_mean, policy_loss
+from .breaker import Breaker
 from .config import RunConfig
 from .envs import make_env
 from .episode import Episode, collate, token_logprobs
@@ -27,6 +35,7 @@ class Sink(Protocol):
     def alert(self, kind: str, message: str, **data) -> None: ...
     def event(self, kind: str, message: str, **data) -> None: ...
     def checkpoint(self, step: int, path: str, **info) -> None: ...
+    def heartbeat(self) -> None: ...  # about every second while the event loop is alive
 
 
 class NullSink:
@@ -34,6 +43,7 @@ class NullSink:
     def alert(self, kind, message, **data): pass
     def event(self, kind, message, **data): pass
     def checkpoint(self, step, path, **info): pass
+    def heartbeat(self): pass
 
 
 class EnvFailure(RuntimeError):
@@ -45,13 +55,15 @@ class _EnvError(Exception):
 
 
 class _Finished(Exception):
-    pass
+    """Ends the TaskGroup; the summary's status says why (completed, stopped, tripped)."""
 
 
-def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Path | None = None) -> dict:
-    """Train a policy as `config` says; returns a summary. Invalid config raises pydantic's ValidationError."""
+def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Path | None = None,
+          resume: bool = False) -> dict:
+    """Train a policy as `config` says; returns a summary with a status. Invalid config raises pydantic's
+    ValidationError. With `resume`, continue from the latest checkpoint in out_dir, if there is one."""
     cfg = config if isinstance(config, RunConfig) else RunConfig.model_validate(config)
-    return asyncio.run(Run(cfg, sink or NullSink(), out_dir).run())
+    return asyncio.run(Run(cfg, sink or NullSink(), out_dir).run(resume))
 
 
 class Run:
@@ -64,10 +76,19 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.reference = None                    # frozen initial policy, only when the KL term is on
         self.sampler: Sampler | None = None      # made after the warm start, from a copy of the weights
-        self.version = 0                         # = optimizer steps taken = the sampler's newest weights
+        self.step = 0                            # trainer steps done, applied or skipped by the breaker
+        self.version = 0                         # weights published to the sampler so far
         self.cursor = 0                          # next training prompt; the only source of prompt seeds
+        self.requeued: list[int] = []            # prompts cut off by a stop or crash, to run again first
+        self.in_flight: set[int] = set()
         self.dropped_groups = 0                  # groups started but never trained: they free admission
         self.buffer: list[list[Episode]] = []    # finished groups, not yet trained
+        self.breaker = Breaker(cfg.breaker)
+        self.stopping = False
+        self.alerting: set[str] = set()          # alert kinds above threshold now: alert once per crossing
+        self.recent_stale: deque = deque(maxlen=cfg.alerts.window)  # (dropped, trained) per step
+        self.best: tuple[float, int] | None = None  # (eval reward, step) of the best checkpoint
+        self.ckpt_dir = self.out_dir / "checkpoints" if self.out_dir else None
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
         self.recent_env_errors = deque(maxlen=cfg.loop.env_error_window)
         self.last_env_traceback = ""
@@ -77,39 +98,80 @@ class Run:
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
-    async def run(self) -> dict:
-        if self.cfg.warm_start.steps:
-            await self.warm_start()
-        if self.cfg.algo.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.sampler = Sampler(copy.deepcopy(self.model), self.eos_id, self.pad_id, self.cfg.loop.temperature,
-                               version=self.version)
-        loop = self.cfg.loop
-        workers = loop.workers or loop.groups_per_step * (loop.max_staleness + 1)
-        self.capacity = workers * loop.group_size
+    async def run(self, resume: bool = False) -> dict:
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        if on_main_thread:  # SIGTERM (the daemon's stop) and Ctrl-C: checkpoint, then leave cleanly
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, self.request_stop)
         try:
+            await self.prepare(resume)
+            loop = self.cfg.loop
+            workers = loop.workers or loop.groups_per_step * (loop.max_staleness + 1)
+            self.capacity = workers * loop.group_size
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.sampler.run())
+                tg.create_task(self.heartbeat())
                 for _ in range(workers):
                     tg.create_task(self.rollout_worker())
                 tg.create_task(self.trainer())
         except* _Finished:
             pass
+        except* Exception as group:  # a task failed: raise its own exception, not the TaskGroup's wrapper
+            raise group.exceptions[0] from None
+        finally:
+            if on_main_thread:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    asyncio.get_running_loop().remove_signal_handler(sig)
         return self.summary
+
+    async def prepare(self, resume: bool):
+        """Restore the latest checkpoint, or start fresh (warm start, reference policy); then make the sampler."""
+        if self.cfg.algo.kl_coef > 0:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        found = checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None
+        if found:
+            self.restore(found)
+        elif self.cfg.warm_start.steps:
+            await self.warm_start()
+            if self.reference is not None:
+                self.reference.load_state_dict(self.model.state_dict())
+        self.sampler = Sampler(copy.deepcopy(self.model), self.eos_id, self.pad_id, self.cfg.loop.temperature,
+                               version=self.version)
+
+    def request_stop(self):
+        self.stopping = True
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self):
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def heartbeat(self):
+        # From the event loop itself: if anything blocks the loop (a hang), the heartbeats stop.
+        while True:
+            self.sink.heartbeat()
+            await asyncio.sleep(1.0)
 
     def may_start(self) -> bool:
         """Admission control: a new group may start only while the groups in flight or buffered cannot get older
-        than max_staleness versions by the time the trainer reaches them (0 = exactly one batch per version)."""
+        than max_staleness versions by the time the trainer reaches them (0 = exactly one batch per version).
+        After a breaker trip, admission is strictly on-policy until the cooldown has passed."""
         loop = self.cfg.loop
-        return self.cursor - self.dropped_groups < (self.version + loop.max_staleness + 1) * loop.groups_per_step
+        staleness = 0 if self.breaker.cooldown_left else loop.max_staleness
+        return self.cursor - self.dropped_groups < (self.version + staleness + 1) * loop.groups_per_step
 
     async def rollout_worker(self):
         while True:
             async with self.changed:
-                await self.changed.wait_for(self.may_start)
-                cursor, self.cursor = self.cursor, self.cursor + 1
+                await self.changed.wait_for(lambda: self.requeued or self.may_start())
+                if self.requeued:  # already counted as started when it was first admitted
+                    cursor = self.requeued.pop(0)
+                else:
+                    cursor, self.cursor = self.cursor, self.cursor + 1
+                self.in_flight.add(cursor)
             group = await self.run_group(cursor)
             async with self.changed:
+                self.in_flight.discard(cursor)
                 if group:
                     self.buffer.append(group)
                 else:
@@ -142,6 +204,7 @@ class Run:
         """Alternate policy turns and env steps. Generated ids go into the record as sampled, never re-encoded;
         only env text is tokenized, and it is never trained."""
         env = make_env(self.cfg.env, self.cfg.env_args)
+        drill = random.Random(hash((seed, index))) if self.cfg.drills.env_error_rate else None
         obs = await _env_call(env.reset(seed))
         ep = Episode(seed=seed, group=group, images=list(obs.images))
         ep.extend(self.encode(obs.text))
@@ -154,6 +217,8 @@ class Run:
                                               seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
             ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions)
             text = self.tokenizer.decode(req.ids[:-1] if req.ids[-1] == self.eos_id else req.ids)
+            if drill and drill.random() < self.cfg.drills.env_error_rate:
+                raise _EnvError("drill: injected env error (drills.env_error_rate)")
             result = await _env_call(env.step(text))
             ep.reward += result.reward
             info["turns"] += 1
@@ -174,30 +239,70 @@ class Run:
         loop = self.cfg.loop
         last = time.perf_counter()
         sampler_last = dict(self.sampler.stats)
-        while self.version < loop.steps:
-            step = self.version
+        while self.step < loop.steps and not self.stopping:
+            step = self.step
             if loop.eval_every and step % loop.eval_every == 0 and not (self.eval_task and not self.eval_task.done()):
                 self.eval_task = asyncio.create_task(self.evaluate(step))  # never awaited here: eval never blocks
-            groups, waited = await self.next_batch()
+            self.run_drills(step)
+            batch = await self.next_batch()
+            if batch is None:  # stop requested while waiting for rollouts
+                break
+            groups, waited = batch
             metrics, weights = await asyncio.to_thread(self.update, groups)
+            self.step += 1
+            if weights is None:
+                weights = await self.on_trip(step, groups, metrics)
+            version = self.version + (weights is not None)
+            every = self.cfg.checkpoint.every
+            if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
+                # Before publishing: admission is still closed, so (on-policy) nothing is in flight.
+                await self.save_checkpoint(version)
             async with self.changed:
-                self.version += 1
-                self.sampler.publish(weights, self.version)
+                if weights is not None:
+                    self.version = version
+                    self.sampler.publish(weights, version)
                 self.changed.notify_all()
             now = time.perf_counter()
             metrics.update(self.throughput(groups, now - last, waited, sampler_last))
             last, sampler_last = now, dict(self.sampler.stats)
             self.sink.metrics(step, metrics)
-            self.summary = {"steps": self.version, **metrics}
+            self.check_alerts(step, metrics, sum(len(g) for g in groups))
+            self.summary.update(metrics, step=self.step, version=self.version)
+        if self.stopping:
+            if self.ckpt_dir and self.step > 0 and not self.just_saved():
+                await self.save_checkpoint(self.version)
+            self.sink.event("stopped", f"stopped at step {self.step}; resume continues from here", step=self.step)
+            self.summary.update(status="stopped", step=self.step, version=self.version)
+            raise _Finished
         await self.finish()
 
-    async def next_batch(self) -> tuple[list[list[Episode]], float]:
-        """Take groups_per_step groups, dropping (and counting) those that are too stale or carry no signal."""
+    def run_drills(self, step: int):
+        """Crash and hang drills, each once per step unless crash_repeat (remembered across restarts on disk)."""
+        drills = self.cfg.drills
+        for kind, steps in (("crash", drills.crash_at), ("hang", drills.hang_at)):
+            if step not in steps:
+                continue
+            marker = self.out_dir / "drills" / f"{kind}-{step}" if self.out_dir else None
+            if marker and marker.exists() and not (kind == "crash" and drills.crash_repeat):
+                continue
+            if marker:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+            if kind == "crash":
+                os._exit(1)
+            time.sleep(drills.hang_seconds)  # blocks the event loop on purpose: no heartbeat, no progress
+
+    async def next_batch(self) -> tuple[list[list[Episode]], float] | None:
+        """Take groups_per_step groups, dropping (and counting) those that are too stale or carry no signal.
+        None if a stop was requested meanwhile (the groups taken so far go back to the buffer)."""
         cfg, t0 = self.cfg, time.perf_counter()
         batch = []
         while len(batch) < cfg.loop.groups_per_step:
             async with self.changed:
-                await self.changed.wait_for(lambda: self.buffer)
+                await self.changed.wait_for(lambda: self.buffer or self.stopping)
+                if self.stopping:
+                    self.buffer[:0] = batch
+                    return None
                 group = self.buffer.pop(0)
                 stale = self.version - min(e.oldest_version for e in group) > cfg.loop.max_staleness
                 flat = cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
@@ -209,6 +314,63 @@ class Run:
             batch.append(group)
         batch.sort(key=lambda g: g[0].group)  # arrival order is timing; training order must not be
         return batch, time.perf_counter() - t0
+
+    async def on_trip(self, step: int, groups, metrics) -> dict | None:
+        """The breaker refused this update: force sync, alert, and roll back or give up if it keeps happening.
+        Returns weights to publish (after a rollback) or None."""
+        async with self.changed:
+            # The refused batch frees admission for a replacement; buffered episodes of older versions are dropped.
+            stale = [g for g in self.buffer if min(e.oldest_version for e in g) < self.version]
+            self.buffer = [g for g in self.buffer if g not in stale]
+            self.dropped_groups += len(groups) + len(stale)
+            self.counts["stale_dropped"] += sum(len(g) for g in stale)
+            self.changed.notify_all()
+        action = (f"update skipped, nothing published, {sum(len(g) for g in stale)} stale buffered episodes "
+                  f"dropped, admission on-policy for {self.cfg.breaker.cooldown} healthy steps")
+        weights = None
+        if self.breaker.recent_trips(step) >= self.cfg.breaker.max_trips:
+            good = checkpoint.latest(self.ckpt_dir) if self.ckpt_dir else None
+            if good is None or self.breaker.rollbacks >= self.cfg.breaker.max_rollbacks:
+                self.sink.alert("breaker", f"step {step}: grad norm {metrics['grad_norm']:.4g}; "
+                                f"{self.breaker.recent_trips(step)} trips, giving up: run tripped",
+                                step=step, norm=metrics["grad_norm"], threshold=metrics.get("breaker_threshold"),
+                                action="tripped")
+                self.summary.update(metrics, status="tripped", step=self.step, version=self.version)
+                raise _Finished
+            state = await asyncio.to_thread(checkpoint.load, good, self.model, self.reference)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.breaker.trips.clear()
+            self.breaker.rollbacks += 1
+            weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            action += f"; rolled back to {good.name}"
+            self.sink.event("rollback", f"step {step}: rolled back to checkpoint {good.name}",
+                            step=step, path=str(good))
+        self.sink.alert("breaker", f"step {step}: grad norm {metrics['grad_norm']:.4g} above threshold "
+                        f"{metrics.get('breaker_threshold', math.inf):.4g}; {action}", step=step,
+                        norm=metrics["grad_norm"], threshold=metrics.get("breaker_threshold"), action=action)
+        return weights
+
+    def check_alerts(self, step: int, metrics: dict, trained: int):
+        """Staleness and mismatch alerts: once when a metric crosses its threshold, again only after it recovered."""
+        cfg = self.cfg.alerts
+        self.recent_stale.append((metrics["stale_dropped"], trained))
+        dropped = sum(d for d, _ in self.recent_stale)
+        share = dropped / max(1, dropped + sum(t for _, t in self.recent_stale))
+        metrics["stale_share"] = share
+        checks = [
+            ("stale_share", "staleness", share, cfg.stale_share,
+             f"{share:.0%} of samples in the last {len(self.recent_stale)} steps were dropped as too stale"),
+            ("staleness_max", "staleness", metrics["staleness_max"], cfg.staleness_max,
+             f"a trained token was {metrics['staleness_max']:.0f} versions old"),
+            ("mismatch_kl", "mismatch", metrics["mismatch_kl"], cfg.mismatch_kl,
+             f"KL between behaviour and recomputed log-probs is {metrics['mismatch_kl']:.3g}"),
+        ]
+        for name, kind, value, threshold, message in checks:
+            above = threshold is not None and value >= threshold if name == "staleness_max" else value > threshold
+            if above and name not in self.alerting:
+                self.sink.alert(kind, f"step {step}: {message} (threshold {threshold})", step=step, metric=name,
+                                value=value, threshold=threshold)
+            (self.alerting.add if above else self.alerting.discard)(name)
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict]:
         """One optimizer step on a batch (runs in a worker thread). Returns metrics and the weights to publish."""
@@ -228,12 +390,30 @@ class Run:
             logp, logp.detach(), batch["behav_logp"], adv, mask, loss=algo.loss, clip_low=algo.clip_low,
             clip_high=algo.clip_high, is_level=algo.is_level, is_mode=algo.is_mode, is_low=algo.is_low,
             is_high=algo.is_high, kl_coef=algo.kl_coef, ref_logp=ref_logp, kl_estimator=algo.kl_estimator)
+        if self.step in self.cfg.drills.nan_at:
+            loss = loss * math.nan
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.step in self.cfg.drills.spike_at:  # a random direction, so it spikes even a zero gradient
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            noise = [torch.randn(p.shape, generator=torch.Generator().manual_seed(self.step + i)) for i, p in enumerate(params)]
+            scale = self.cfg.drills.spike_norm / float(torch.sqrt(sum((n ** 2).sum() for n in noise)))
+            for p, n in zip(params, noise):
+                p.grad.add_(n * scale)
+        threshold = self.breaker.threshold()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.max_grad_norm))
-        if grad_norm > 0:  # no signal (all advantages 0): Adam's momentum alone would still move the weights
-            self.optimizer.step()
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        tripped = self.breaker.check(self.step, grad_norm)
+        weights = None
+        if not tripped:
+            if grad_norm > 0:  # no signal (all advantages 0): Adam's momentum alone would still move the weights
+                self.optimizer.step()
+            weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            if not all(torch.isfinite(v).all() for v in weights.values()):
+                # Never publish (or checkpoint) non-finite weights: back to the last published ones, count a trip.
+                self.model.load_state_dict(self.sampler.model.state_dict())
+                self.breaker.check(self.step, math.nan)
+                tripped, weights = True, None
+        self.optimizer.zero_grad(set_to_none=True)
         rewards = torch.tensor([e.reward for e in episodes])
         staleness = (self.version - batch["versions"])[mask].float()
         metrics = {
@@ -246,8 +426,10 @@ class Run:
             "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
             "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
             "turns_mean": sum(e.info["turns"] for e in episodes) / len(episodes),
-            "version": float(self.version + 1), **stats,
+            "version": float(self.version + (not tripped)), "breaker_tripped": float(tripped), **stats,
         }
+        if math.isfinite(threshold):
+            metrics["breaker_threshold"] = threshold
         return metrics, weights
 
     def throughput(self, groups, seconds: float, waited: float, sampler_last: dict) -> dict:
@@ -272,6 +454,8 @@ class Run:
                       "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes)}
             self.sink.metrics(step, values)
             self.summary.update(values)
+            if self.best is None or values["eval_reward"] > self.best[0]:
+                self.best = (values["eval_reward"], step)
 
     async def finish(self):
         """Final eval on the final weights, then save them where plain transformers can load them."""
@@ -279,6 +463,7 @@ class Run:
             await self.eval_task
         if self.cfg.loop.eval_every:
             await self.evaluate(self.version)
+        self.summary["status"] = "completed"
         if self.out_dir:
             final = self.out_dir / "final"
             self.model.save_pretrained(final)
@@ -286,6 +471,52 @@ class Run:
             self.sink.event("saved", f"final policy saved to {final}", path=str(final))
             self.summary["final_path"] = str(final)
         raise _Finished
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------------
+
+    async def save_checkpoint(self, version: int):
+        """Everything needed to continue exactly: weights, optimizer, RNGs, prompt cursor, untrained episodes."""
+        state = {
+            "step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
+            "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
+            "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
+            "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
+            "recent_stale": list(self.recent_stale), "alerting": sorted(self.alerting),
+            "breaker": self.breaker.state_dict(), "best": self.best, "kl_coef": self.cfg.algo.kl_coef,
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.model, self.tokenizer, state,
+                                       self.reference)
+        best = f"step-{self.best[1]:06d}" if self.best else None
+        await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep, best)
+        self.saved_at = self.step
+        self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
+                             seconds=time.perf_counter() - t0)
+
+    def just_saved(self) -> bool:
+        return getattr(self, "saved_at", None) == self.step
+
+    def restore(self, path: Path):
+        state = checkpoint.load(path, self.model, self.reference)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
+        self.dropped_groups, self.requeued = state["dropped_groups"], state["requeued"]
+        self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
+        self.counts = state["counts"]
+        self.recent_env_errors.extend(state["recent_env_errors"])
+        self.recent_stale.extend(state["recent_stale"])
+        self.alerting = set(state["alerting"])
+        self.breaker.load_state_dict(state["breaker"])
+        self.best = state["best"]
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self.saved_at = self.step
+        self.sink.event("resumed", f"resumed from {path.name}: step {self.step}, version {self.version}, "
+                        f"{sum(map(len, self.buffer))} buffered episodes, {len(self.requeued)} prompts to rerun",
+                        step=self.step, path=str(path))
 
     # ---- supervised warm start ------------------------------------------------------------------------------------
 
@@ -295,8 +526,10 @@ class Run:
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=ws.lr)
         loss = math.nan
         for step in range(ws.steps):
+            if self.stopping:  # a stop before RL began: nothing worth a checkpoint yet
+                break
             seeds = range(DEMO_SEEDS + step * ws.batch_size, DEMO_SEEDS + (step + 1) * ws.batch_size)
-            episodes = [await self.demonstration(s) for s in seeds]
+            episodes = await asyncio.gather(*(self.demonstration(s) for s in seeds))
             batch = collate(episodes, self.pad_id)
 
             def sft_step():

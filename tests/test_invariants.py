@@ -79,7 +79,8 @@ def merging_model_dir(tmp_path):
 def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture):
     ENVS.setdefault("test_echo", Echo)
     tokenizer = merging_model_dir(tmp_path)
-    train({"env": "test_echo", "model": {"preset": None, "path": str(tmp_path)}, "loop": {**SMALL, "steps": 3}})
+    train({"env": "test_echo", "model": {"preset": None, "path": str(tmp_path)}, "loop": {**SMALL, "steps": 3},
+           "warm_start": {"steps": 0}})
     generated = {}  # (context, ids) -> the log-probs of each generation that produced them
     for r in capture["generations"]:
         generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
@@ -164,7 +165,7 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
     async def run():
         Gated.gate = asyncio.Event()
         cfg = loop_mod.RunConfig.model_validate(
-            {"env": "test_gated", "loop": {**SMALL, "steps": 8, "max_staleness": k}})
+            {"env": "test_gated", "loop": {**SMALL, "steps": 8, "max_staleness": k}, "warm_start": {"steps": 0}})
         return await loop_mod.Run(cfg, Sink()).run()
     asyncio.run(run())
 

@@ -1,0 +1,73 @@
+"""Checkpoints on disk: written whole or not at all (temp dir + os.replace), a `latest` pointer, pruning to the last K."""
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def save(root: Path, step: int, model, tokenizer, state: dict, reference=None) -> Path:
+    """Write checkpoint `step-NNNNNN` under root and point `latest` at it. A crash at any moment leaves either the
+    previous complete checkpoint or this one, never a half-written directory under a checkpoint's name."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / "policy")
+    tokenizer.save_pretrained(tmp / "policy")
+    if reference is not None:
+        reference.save_pretrained(tmp / "reference")
+    torch.save(state, tmp / "state.pt")
+    _fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)  # a resumed run may write the same step again
+    os.replace(tmp, final)
+    _write_atomically(root / "latest", final.name)
+    return final
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint `latest` points to; if a crash left it dangling, the newest complete one."""
+    pointer = root / "latest"
+    if pointer.exists() and (root / pointer.read_text().strip() / "state.pt").exists():
+        return root / pointer.read_text().strip()
+    complete = [p for p in sorted(root.glob("step-*")) if (p / "state.pt").exists()]
+    return complete[-1] if complete else None
+
+
+def load(path: Path, model, reference=None) -> dict:
+    """Load weights into `model` (and `reference`) in place; return the training state."""
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(path / "policy", dtype=torch.float32).state_dict())
+    if reference is not None:
+        reference.load_state_dict(AutoModelForCausalLM.from_pretrained(path / "reference", dtype=torch.float32).state_dict())
+    return torch.load(path / "state.pt", weights_only=False)
+
+
+def prune(root: Path, keep: int, best: str | None = None):
+    """Keep the newest `keep` checkpoints and the best one; also sweep temp dirs left by a crash mid-write."""
+    for tmp in root.glob(".tmp-step-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def size_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _write_atomically(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(path: Path):
+    # Without it, os.replace can reach the disk before the files' contents do (a power loss, not just a kill).
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())

@@ -1,0 +1,273 @@
+"""Engine robustness (DESIGN §3): exact resume, kill -9 safety, SIGTERM, the gradient-norm breaker, alerts, drills."""
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import molt_engine.loop as loop_mod
+from molt_engine import EnvFailure, NullSink, RunConfig, train
+from molt_engine import checkpoint
+from molt_engine.breaker import Breaker
+from molt_engine.sampler import Sampler
+
+FAST = {"env": "max_digit", "loop": {"groups_per_step": 4, "group_size": 4, "eval_every": 0},
+        "warm_start": {"steps": 5}}
+
+
+def config(**sections):
+    cfg = json.loads(json.dumps(FAST))
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(name, {}).update(values)
+        else:
+            cfg[name] = values
+    return cfg
+
+
+class Recorder(NullSink):
+    def __init__(self):
+        self.steps, self.alerts, self.events, self.checkpoints = {}, [], [], []
+
+    def metrics(self, step, values):
+        self.steps.setdefault(step, {}).update(values)
+
+    def alert(self, kind, message, **data):
+        self.alerts.append({"kind": kind, "message": message, **data})
+
+    def event(self, kind, message, **data):
+        self.events.append({"kind": kind, "message": message, **data})
+
+    def checkpoint(self, step, path, **info):
+        self.checkpoints.append((step, path))
+
+
+def final_weights(out):
+    return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# ---- checkpoint and resume ------------------------------------------------------------------------------------------
+
+def test_resume_is_exact(tmp_path, monkeypatch):
+    """Interrupted at step 6 and resumed: same prompts in the same order, same final weights (<= 1e-6)."""
+    trained = []
+    real_collate = loop_mod.collate
+    monkeypatch.setattr(loop_mod, "collate", lambda eps, pad: trained.append([e.seed for e in eps]) or real_collate(eps, pad))
+    cfg = config(loop={"steps": 12}, checkpoint={"every": 6})
+    train(cfg, out_dir=tmp_path / "straight")
+    straight, trained[:] = list(trained), []
+
+    train(config(loop={"steps": 6}, checkpoint={"every": 6}), out_dir=tmp_path / "split")
+    sink = Recorder()
+    summary = train(cfg, sink, out_dir=tmp_path / "split", resume=True)
+    assert [e["kind"] for e in sink.events][0] == "resumed"
+    assert summary["status"] == "completed" and summary["step"] == 12
+    assert trained == straight  # warm-start batches first, then every RL batch: no prompt skipped or repeated
+    a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+def test_checkpoint_loads_with_plain_transformers_and_generates(tmp_path):
+    train(config(loop={"steps": 2}, checkpoint={"every": 2}), out_dir=tmp_path)
+    path = checkpoint.latest(tmp_path / "checkpoints") / "policy"
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("3 8 1=", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    assert isinstance(tokenizer.decode(out[0, ids.shape[1]:]), str)
+
+
+def molt_train(out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "app.cli", "train", "--out", str(out), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("kills", [pytest.param(4, id="4-kills"), pytest.param(10, id="10-kills", marks=pytest.mark.slow)])
+def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(config(loop={"steps": 60}, checkpoint={"every": 2, "keep": 2})))
+    root, out = tmp_path / "run" / "checkpoints", tmp_path / "run"
+    rng = random.Random(0)
+    proc = molt_train(out, "--config", str(cfg_file))
+    for i in range(kills):
+        before = checkpoint.latest(root)
+        wait_until(lambda: checkpoint.latest(root) != before, 120, "a new checkpoint")
+        if i % 2:  # half the kills land while a checkpoint is being written
+            wait_until(lambda: any(root.glob(".tmp-step-*")) or proc.poll() is not None, 60, "a checkpoint write")
+        else:
+            time.sleep(rng.uniform(0, 0.5))  # a random moment of training
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        found = checkpoint.latest(root)
+        state = checkpoint.load(found, AutoModelForCausalLM.from_pretrained(found / "policy"))
+        assert state["step"] == int(found.name.split("-")[1])
+        assert len(list(root.glob("step-*"))) <= 2 + 1  # the last K, plus possibly the best
+        proc = molt_train(out, "--resume")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    assert checkpoint.latest(root).name == "step-000060"
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_sigterm_checkpoints_and_exits_zero_within_10s(tmp_path):
+    cfg_file = tmp_path / "run.json"
+    cfg_file.write_text(json.dumps(config(loop={"steps": 10_000}, checkpoint={"every": 0})))
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "train", "--config", str(cfg_file), "--out",
+                             str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = ""
+    while not re.search(r" [1-9]\d*/10000", seen):  # the progress bar shows a finished training step
+        chunk = proc.stdout.read(64)
+        assert chunk, seen
+        seen += chunk
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - start < 10
+    found = checkpoint.latest(tmp_path / "run" / "checkpoints")
+    assert found is not None and torch.load(found / "state.pt", weights_only=False)["step"] > 0
+
+
+# ---- the breaker ----------------------------------------------------------------------------------------------------
+
+def test_breaker_rules():
+    b = Breaker(RunConfig.model_validate({"env": "max_digit", "breaker": {"factor": 3, "min_history": 3,
+                                                                          "cooldown": 2}}).breaker)
+    assert b.threshold() == math.inf
+    assert not b.check(0, 0.0) and len(b.healthy) == 0        # no signal: not a sample of healthy scale
+    for step, norm in enumerate([1.0, 2.0, 3.0], start=1):
+        assert not b.check(step, norm)
+    assert b.threshold() == 6.0                                 # 3 x median(1, 2, 3)
+    assert b.check(4, 6.5) and b.cooldown_left == 2
+    assert b.check(5, math.nan) and b.check(6, math.inf)
+    assert not b.check(7, 2.0) and b.cooldown_left == 1
+    assert b.recent_trips(7) == 3
+    capped = Breaker(RunConfig.model_validate({"env": "max_digit", "breaker": {"abs_max": 5}}).breaker)
+    assert capped.check(0, 5.5) and not capped.check(1, 4.0)
+
+
+def slow_trainer_with_old_groups(monkeypatch, at_step):
+    """Make the trainer wait at `at_step` until the buffer holds episodes of an older version (rollout ran ahead)."""
+    real_update = loop_mod.Run.update
+
+    def update(self, groups):
+        if self.step == at_step:
+            wait_until(lambda: any(min(e.oldest_version for e in g) < self.version for g in list(self.buffer)),
+                       60, "old episodes in the buffer")
+        return real_update(self, groups)
+    monkeypatch.setattr(loop_mod.Run, "update", update)
+
+
+def test_spike_drill_skips_update_alerts_and_forces_sync(monkeypatch):
+    k, B = 15, 4
+    published = []
+    real_publish = Sampler.publish
+    monkeypatch.setattr(Sampler, "publish", lambda self, w, v: published.append((v, w)) or real_publish(self, w, v))
+    admissions = []
+    real_may_start = loop_mod.Run.may_start
+
+    def may_start(self):
+        ok = real_may_start(self)
+        if ok:
+            admissions.append((self.breaker.cooldown_left, self.cursor - self.dropped_groups, self.version))
+        return ok
+    monkeypatch.setattr(loop_mod.Run, "may_start", may_start)
+    slow_trainer_with_old_groups(monkeypatch, k)
+    sink = Recorder()
+    summary = train(config(loop={"steps": 20, "max_staleness": 2}, drills={"spike_at": [k]},
+                           breaker={"min_history": 3, "cooldown": 3}), sink)
+    assert summary["status"] == "completed"
+    trip = sink.steps[k]
+    assert trip["breaker_tripped"] == 1.0 and trip["grad_norm"] > trip["breaker_threshold"]
+    # Weights identical before and after step k: nothing was published for it.
+    versions = [v for v, _ in published]
+    assert versions == sorted(set(versions)) and len(versions) == 20 - 1
+    assert sink.steps[k]["version"] == sink.steps[k - 1]["version"]
+    # The alert names the norm, the threshold and the action.
+    [alert] = [a for a in sink.alerts if a["kind"] == "breaker"]
+    assert alert["step"] == k and alert["norm"] == trip["grad_norm"] and alert["threshold"] == trip["breaker_threshold"]
+    assert "skipped" in alert["action"]
+    # Stale buffered episodes were dropped and counted at the trip.
+    assert trip["stale_dropped"] > 0
+    # During the cooldown, admission was strictly on-policy (no off-policy episodes were started).
+    cooling = [(n, v) for left, n, v in admissions if left > 0]
+    assert cooling and all(n < (v + 1) * B for n, v in cooling)
+    assert any(n >= (v + 1) * B for left, n, v in admissions if left == 0)  # outside it, rollout ran ahead
+
+
+def test_nan_drill_never_publishes_or_checkpoints_non_finite(tmp_path, monkeypatch):
+    published = []
+    real_publish = Sampler.publish
+    monkeypatch.setattr(Sampler, "publish", lambda self, w, v: published.append(w) or real_publish(self, w, v))
+    sink = Recorder()
+    summary = train(config(loop={"steps": 8}, drills={"nan_at": [3, 5]}, checkpoint={"every": 1, "keep": 10}),
+                    sink, out_dir=tmp_path)
+    assert summary["status"] == "completed"
+    assert math.isnan(sink.steps[3]["grad_norm"]) and sink.steps[3]["breaker_tripped"] == 1.0
+    assert len(published) == 8 - 2
+    for weights in published:
+        assert all(torch.isfinite(v).all() for v in weights.values())
+    assert len(sink.checkpoints) == 8
+    for _, path in sink.checkpoints:
+        model = AutoModelForCausalLM.from_pretrained(f"{path}/policy")
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_repeated_spikes_roll_back_then_persistent_spikes_trip(tmp_path):
+    sink = Recorder()
+    cfg = config(loop={"steps": 30}, drills={"spike_at": [10, 11, 12]}, checkpoint={"every": 5},
+                 breaker={"min_history": 3, "max_trips": 3, "max_rollbacks": 1})
+    assert train(cfg, sink, out_dir=tmp_path / "a")["status"] == "completed"
+    [rollback] = [e for e in sink.events if e["kind"] == "rollback"]
+    assert rollback["step"] == 12 and rollback["path"].endswith("step-000010")
+
+    sink = Recorder()
+    cfg["drills"]["spike_at"] = list(range(10, 30))
+    summary = train(cfg, sink, out_dir=tmp_path / "b")
+    assert summary["status"] == "tripped"
+    assert [e["kind"] for e in sink.events].count("rollback") == 1
+    assert sink.alerts[-1]["action"] == "tripped" and summary["step"] == 16  # 3 trips, rollback, 3 more trips
+
+
+def test_healthy_default_runs_never_trip():
+    sink = Recorder()
+    train({"env": "max_digit", "loop": {"steps": 40, "eval_every": 0}}, sink)
+    assert all(s["breaker_tripped"] == 0.0 for s in sink.steps.values())
+    assert not [a for a in sink.alerts if a["kind"] == "breaker"]
+
+
+# ---- staleness alerts and env errors --------------------------------------------------------------------------------
+
+def test_staleness_alert_fires_once_per_crossing():
+    run = loop_mod.Run(RunConfig.model_validate(config(alerts={"window": 2, "stale_share": 0.15})), Recorder())
+    base = {"staleness_max": 0.0, "mismatch_kl": 0.0}
+    for step, dropped in enumerate([0, 8, 8, 0, 0, 8]):
+        run.check_alerts(step, {**base, "stale_dropped": dropped}, trained=16)
+    stale = [a for a in run.sink.alerts if a["kind"] == "staleness"]
+    assert [a["step"] for a in stale] == [1, 5]   # crossed at 1, recovered at 4, crossed again at 5
+    assert stale[0]["value"] == pytest.approx(8 / (8 + 32)) and stale[0]["threshold"] == 0.15
+    run.check_alerts(6, {**base, "stale_dropped": 0, "mismatch_kl": 0.5}, trained=16)
+    assert run.sink.alerts[-1]["kind"] == "mismatch" and run.sink.alerts[-1]["metric"] == "mismatch_kl"
+
+
+def test_env_errors_are_counted_and_too_many_stop_the_run():
+    sink = Recorder()
+    summary = train(config(loop={"steps": 6}, drills={"env_error_rate": 0.1}), sink)
+    assert summary["status"] == "completed"
+    assert sum(s["env_errors"] for s in sink.steps.values()) > 0
+    with pytest.raises(EnvFailure, match="drill: injected env error"):
+        train(config(loop={"steps": 6}, drills={"env_error_rate": 0.9}))
