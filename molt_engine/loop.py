@@ -35,7 +35,7 @@ class Sink(Protocol):
     def alert(self, kind: str, message: str, **data) -> None: ...
     def event(self, kind: str, message: str, **data) -> None: ...
     def checkpoint(self, step: int, path: str, **info) -> None: ...
-    def heartbeat(self) -> None: ...  # about every second while the event loop is alive
+    def heartbeat(self) -> None: ...  # optional; about every second while the event loop is alive
 
 
 class NullSink:
@@ -148,8 +148,9 @@ class Run:
 
     async def heartbeat(self):
         # From the event loop itself: if anything blocks the loop (a hang), the heartbeats stop.
-        while True:
-            self.sink.heartbeat()
+        beat = getattr(self.sink, "heartbeat", None)  # optional: a terminal needs no liveness signal
+        while beat:
+            beat()
             await asyncio.sleep(1.0)
 
     def may_start(self) -> bool:

@@ -15,6 +15,7 @@ class Request:
     greedy: bool
     generator: torch.Generator    # per request, so an episode's samples don't depend on who shares its batch
     future: asyncio.Future | None = None
+    noise: torch.Tensor | None = None  # [max_tokens, vocab] uniforms drawn once from the generator
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -91,11 +92,19 @@ class Sampler:
         return finished
 
     def _sample(self, rows: list[Request], logits: torch.Tensor):
+        """Gumbel-max over the whole batch at once: argmax(logp + Gumbel noise) is a sample of softmax(logp), and
+        each row's noise comes from its own request, so a sample never depends on the rest of the batch."""
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        for req, row in zip(rows, logp):
-            token = int(row.argmax()) if req.greedy else int(torch.multinomial(row.exp(), 1, generator=req.generator))
+        for req in rows:
+            if req.noise is None:
+                req.noise = torch.rand((req.max_tokens, logp.shape[-1]), generator=req.generator)
+        uniform = torch.stack([req.noise[len(req.ids)] for req in rows]).clamp(1e-20, 1.0)
+        greedy = torch.tensor([req.greedy for req in rows])
+        tokens = torch.where(greedy, logp.argmax(-1), (logp - torch.log(-torch.log(uniform))).argmax(-1))
+        chosen = logp.gather(-1, tokens[:, None])[:, 0]
+        for req, token, lp in zip(rows, tokens.tolist(), chosen.tolist()):
             req.ids.append(token)
-            req.logprobs.append(float(row[token]))
+            req.logprobs.append(lp)
             req.versions.append(self.version)
         self.stats["tokens"] += len(rows)
 

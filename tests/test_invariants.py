@@ -147,10 +147,13 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
     k = 1
     real_update = loop_mod.Run.update
 
+    ages = []  # trainer version - token version, for every trained token
+
     def slow_update(self, groups):
         # A deliberately slow trainer: extra compute per step, so rollouts run ahead as far as admission lets them.
         for _ in range(30):
             token_logprobs(self.model, collate([e for g in groups for e in g], self.pad_id), 1.0)
+        ages.extend(self.version - v for g in groups for e in g for v, a in zip(e.versions, e.is_action) if a)
         return real_update(self, groups)
     monkeypatch.setattr(loop_mod.Run, "update", slow_update)
 
@@ -169,6 +172,7 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
         return await loop_mod.Run(cfg, Sink()).run()
     asyncio.run(run())
 
+    assert len(ages) > 8 * 4 and max(ages) == k and min(ages) >= 0   # every trained token within the bound
     for values in steps:
         assert values["staleness_max"] <= k
     assert max(v["staleness_max"] for v in steps) == k       # rollout really overlapped training

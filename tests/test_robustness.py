@@ -189,7 +189,7 @@ def test_spike_drill_skips_update_alerts_and_forces_sync(monkeypatch):
     slow_trainer_with_old_groups(monkeypatch, k)
     sink = Recorder()
     summary = train(config(loop={"steps": 20, "max_staleness": 2}, drills={"spike_at": [k]},
-                           breaker={"min_history": 3, "cooldown": 3}), sink)
+                           breaker={"min_history": 3, "abs_max": 100.0, "cooldown": 3}), sink)
     assert summary["status"] == "completed"
     trip = sink.steps[k]
     assert trip["breaker_tripped"] == 1.0 and trip["grad_norm"] > trip["breaker_threshold"]
@@ -230,7 +230,7 @@ def test_nan_drill_never_publishes_or_checkpoints_non_finite(tmp_path, monkeypat
 def test_repeated_spikes_roll_back_then_persistent_spikes_trip(tmp_path):
     sink = Recorder()
     cfg = config(loop={"steps": 30}, drills={"spike_at": [10, 11, 12]}, checkpoint={"every": 5},
-                 breaker={"min_history": 3, "max_trips": 3, "max_rollbacks": 1})
+                 breaker={"min_history": 3, "abs_max": 100.0, "max_trips": 3, "max_rollbacks": 1})
     assert train(cfg, sink, out_dir=tmp_path / "a")["status"] == "completed"
     [rollback] = [e for e in sink.events if e["kind"] == "rollback"]
     assert rollback["step"] == 12 and rollback["path"].endswith("step-000010")
