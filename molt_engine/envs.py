@@ -140,18 +140,18 @@ class Calculator(Env):
     max_tokens = 12
 
     def __init__(self, *, tool_latency_ms: float = 0.0, tail_prob: float = 0.0, tail_ms: float = 0.0,
-                 max_operand: int = 99, **unknown):
+                 max_operand: int = 99, max_second: int = 99, **unknown):
         super().__init__(**unknown)
         if tool_latency_ms < 0 or tail_ms < 0 or not 0.0 <= tail_prob <= 1.0:
             raise ValueError("calculator: latencies must be >= 0 and tail_prob in [0, 1]")
-        if not 10 <= max_operand <= 999_999:
-            raise ValueError("calculator: max_operand must be in [10, 999999]")
+        if not 10 <= max_operand <= 999_999 or not 2 <= max_second <= 999_999:
+            raise ValueError("calculator: max_operand must be in [10, 999999] and max_second in [2, 999999]")
         self.tool_latency_ms, self.tail_prob, self.tail_ms = tool_latency_ms, tail_prob, tail_ms
-        self.max_operand = max_operand
+        self.max_operand, self.max_second = max_operand, max_second
 
     def _question(self, rng: random.Random) -> tuple[int, str, int]:
-        # Two-digit operands by default: a product a tiny model can't do in its head, short enough to copy.
-        return rng.randint(10, self.max_operand), rng.choice("+-*"), rng.randint(2, self.max_operand)
+        # 2-digit operands by default: a product a tiny model cannot do in its head, short enough to learn to copy.
+        return rng.randint(10, self.max_operand), rng.choice("+-*"), rng.randint(2, self.max_second)
 
     async def reset(self, seed: int) -> Observation:
         # The same generator then draws the latency tails, so slow calls are reproducible per seed.

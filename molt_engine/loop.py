@@ -254,6 +254,7 @@ class Run:
             if weights is None:
                 weights = await self.on_trip(step, groups, metrics)
             version = self.version + (weights is not None)
+            metrics["version"] = float(version)
             every = self.cfg.checkpoint.every
             if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
                 # Before publishing: admission is still closed, so (on-policy) nothing is in flight.
@@ -427,7 +428,7 @@ class Run:
             "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
             "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
             "turns_mean": sum(e.info["turns"] for e in episodes) / len(episodes),
-            "version": float(self.version + (not tripped)), "breaker_tripped": float(tripped), **stats,
+            "breaker_tripped": float(tripped), **stats,
         }
         if math.isfinite(threshold):
             metrics["breaker_threshold"] = threshold

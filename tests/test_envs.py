@@ -1,5 +1,6 @@
 """Tests for molt_engine.envs: built-in envs, demonstrations, tool latency and the env registry."""
 import asyncio
+import re
 import sys
 
 import pytest
@@ -121,8 +122,22 @@ def test_calculator_tail_latency():
     assert asyncio.run(timed_tool_call(env)) >= 0.060 - EARLY
 
 
+def test_max_digit_largest_digit_is_spread_over_all_values():
+    # Uniform maxima: with i.i.d. digits "always answer 9" would score about half.
+    tops = [max(asyncio.run(make_env("max_digit").reset(seed)).text.removesuffix("=").split(" ")) for seed in range(500)]
+    assert {str(d) for d in range(10)} == set(tops)
+    assert tops.count("9") < 500 * 0.2
+
+
+def test_calculator_operand_ranges():
+    env = make_env("calculator", {"max_operand": 20, "max_second": 3})
+    for seed in range(50):
+        a, op, b = re.fullmatch(r"Q (\d+)([-+*])(\d+)\n", asyncio.run(env.reset(seed)).text).groups()
+        assert 10 <= int(a) <= 20 and 2 <= int(b) <= 3
+
+
 def test_calculator_rejects_bad_latency_knobs():
-    for args in [{"tail_prob": 1.5}, {"tool_latency_ms": -1}]:
+    for args in [{"tail_prob": 1.5}, {"tool_latency_ms": -1}, {"max_operand": 5}, {"max_second": 1}]:
         with pytest.raises(ValueError):
             make_env("calculator", args)
 
