@@ -255,6 +255,12 @@ class Run:
                 weights = await self.on_trip(step, groups, metrics)
             version = self.version + (weights is not None)
             metrics["version"] = float(version)
+            now = time.perf_counter()
+            metrics.update(self.throughput(groups, now - last, waited, sampler_last))
+            last, sampler_last = now, dict(self.sampler.stats)
+            self.check_alerts(step, metrics, sum(len(g) for g in groups))
+            self.sink.metrics(step, metrics)  # before the checkpoint: a checkpoint never gets ahead of the records
+            self.summary.update(metrics, step=self.step, version=version)
             every = self.cfg.checkpoint.every
             if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
                 # Before publishing: admission is still closed, so (on-policy) nothing is in flight.
@@ -264,12 +270,6 @@ class Run:
                     self.version = version
                     self.sampler.publish(weights, version)
                 self.changed.notify_all()
-            now = time.perf_counter()
-            metrics.update(self.throughput(groups, now - last, waited, sampler_last))
-            last, sampler_last = now, dict(self.sampler.stats)
-            self.sink.metrics(step, metrics)
-            self.check_alerts(step, metrics, sum(len(g) for g in groups))
-            self.summary.update(metrics, step=self.step, version=self.version)
         if self.stopping:
             if self.ckpt_dir and self.step > 0 and not self.just_saved():
                 await self.save_checkpoint(self.version)
@@ -337,6 +337,7 @@ class Run:
                                 f"{self.breaker.recent_trips(step)} trips, giving up: run tripped",
                                 step=step, norm=metrics["grad_norm"], threshold=metrics.get("breaker_threshold"),
                                 action="tripped")
+                self.sink.metrics(step, metrics)
                 self.summary.update(metrics, status="tripped", step=self.step, version=self.version)
                 raise _Finished
             state = await asyncio.to_thread(checkpoint.load, good, self.model, self.reference)
