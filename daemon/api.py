@@ -1,0 +1,267 @@
+"""The Python API of the records, for the app and for scripts: create, list, stop, resume and read runs."""
+import math
+import time
+from pathlib import Path
+
+from sqlalchemy import func, select, text
+from sqlmodel import Session
+
+from .db import connect, data_home, lock_holder, run_dir, set_run
+from .models import ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run, now
+
+
+class RunNotFound(KeyError):
+    pass
+
+
+class InvalidConfig(ValueError):
+    """The config (or name, tags, max_restarts) was rejected; `errors` has one line per problem, naming the field."""
+    def __init__(self, errors: list[str]):
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+class Conflict(ValueError):
+    """The run's status does not allow the request (e.g. resume a completed run)."""
+
+
+class Api:
+    """Everything the app needs, over the database in the data directory (migrated on open). The daemon need not
+    run: requests are records (a queued run, a `stopping` status) that the daemon acts on within a poll interval.
+    Rows come back as plain dicts; times are unix seconds; a metric value of NaN comes back as float('nan')."""
+
+    def __init__(self, home: str | Path | None = None, migrate: bool = True):
+        self.home = data_home(home)
+        self.engine = connect(self.home, migrate=migrate)
+
+    # ---- runs -----------------------------------------------------------------------------------------------------
+
+    def create_run(self, config: dict, name: str | None = None, tags: list[str] | None = None,
+                   max_restarts: int = 3) -> dict:
+        """Validate `config` (molt_engine.RunConfig) and queue a run. Raises InvalidConfig."""
+        from molt_engine import RunConfig, config_errors
+        from pydantic import ValidationError
+        errors = []
+        try:
+            cfg = RunConfig.model_validate(config)
+        except ValidationError as e:
+            errors += config_errors(e)
+        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 200):
+            errors.append("name: must be a non-empty string of at most 200 characters")
+        tags = list(tags or [])
+        if not all(isinstance(t, str) and t.strip() and len(t) <= 64 for t in tags):
+            errors.append("tags: must be non-empty strings of at most 64 characters")
+        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or not 0 <= max_restarts <= 100:
+            errors.append("max_restarts: must be an integer from 0 to 100")
+        if errors:
+            raise InvalidConfig(errors)
+        run = Run(name=(name or f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}").strip(), tags=tags,
+                  config=cfg.model_dump(mode="json"),  # every default frozen in: later default changes never alter it
+                  total_steps=cfg.loop.steps, max_restarts=max_restarts)
+        with Session(self.engine) as s:
+            s.add(run)
+            s.commit()
+            s.refresh(run)
+            _event(s, run.id, "queued", f"run queued: {run.name}")
+            s.commit()
+            return self._run_dict(s, run)
+
+    def list_runs(self, status: str | list[str] | None = None, tag: str | None = None,
+                  limit: int | None = None) -> list[dict]:
+        """Newest first."""
+        q = select(Run).order_by(Run.id.desc()).limit(limit)
+        if status:
+            q = q.where(Run.status.in_([status] if isinstance(status, str) else status))
+        if tag:
+            q = q.where(text("EXISTS (SELECT 1 FROM json_each(run.tags) WHERE json_each.value = :tag)")
+                        .bindparams(tag=tag))
+        with Session(self.engine) as s:
+            runs = s.scalars(q).all()
+            open_alerts = dict(s.execute(select(Alert.run_id, func.count()).where(~Alert.acknowledged)
+                                         .group_by(Alert.run_id)).all())
+            return [self._run_dict(s, r, open_alerts.get(r.id, 0)) for r in runs]
+
+    def get_run(self, run_id: int) -> dict:
+        with Session(self.engine) as s:
+            return self._run_dict(s, self._get(s, run_id))
+
+    def stop_run(self, run_id: int) -> dict:
+        """A queued run stops at once; a running one becomes `stopping`: the daemon sends SIGTERM, the worker
+        checkpoints and exits, the run ends `stopped`. Idempotent."""
+        with Session(self.engine) as s:
+            run = self._get(s, run_id)
+            if set_run(s, run_id, ("queued",), status="stopped", finished_at=now()):
+                _event(s, run_id, "stopped", "stopped before it started")
+            elif set_run(s, run_id, ("running", "restarting"), status="stopping"):
+                _event(s, run_id, "stop_requested", "stop requested")
+            else:
+                s.refresh(run)
+                if run.status not in ("stopping", "stopped"):
+                    raise Conflict(f"run {run_id} is {run.status}: nothing to stop")
+            s.commit()
+        return self.get_run(run_id)
+
+    def resume_run(self, run_id: int) -> dict:
+        """A stopped, failed or tripped run is queued again; its next attempt continues from the latest checkpoint
+        with a fresh restart budget. Idempotent for a run that is already queued or active."""
+        with Session(self.engine) as s:
+            run = self._get(s, run_id)
+            if set_run(s, run_id, ("stopped", "failed", "tripped"), status="queued", retries=0, finished_at=None,
+                       next_start_at=None):
+                _event(s, run_id, "resume_requested", "resume requested: continues from the latest checkpoint")
+            else:
+                s.refresh(run)
+                if run.status in ("completed", "stopping"):
+                    raise Conflict(f"run {run_id} is {run.status}: cannot resume"
+                                   + (" until it has stopped" if run.status == "stopping" else ""))
+            s.commit()
+        return self.get_run(run_id)
+
+    def wait_run(self, run_id: int, timeout: float | None = None, poll: float = 0.25) -> dict:
+        """The run once it is terminal (completed, failed, stopped, tripped), or as it is when `timeout` passes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            run = self.get_run(run_id)
+            if run["status"] in TERMINAL or (deadline is not None and time.monotonic() >= deadline):
+                return run
+            time.sleep(poll if deadline is None else max(0.0, min(poll, deadline - time.monotonic())))
+
+    # ---- what a run recorded --------------------------------------------------------------------------------------
+
+    def metrics(self, run_id: int, names: list[str] | None = None, after_step: int | None = None,
+                max_points: int | None = None) -> list[dict]:
+        """Rows {name, step, value, time} ordered by step (then name). With max_points, each name is reduced to at
+        most that many rows by min/max bucketing (spikes and NaN stay visible)."""
+        q = select(Metric.name, Metric.step, Metric.value, Metric.time).where(Metric.run_id == run_id)
+        if names:
+            q = q.where(Metric.name.in_(names))
+        if after_step is not None:
+            q = q.where(Metric.step > after_step)
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            rows = [{"name": n, "step": st, "value": math.nan if v is None else v, "time": t}
+                    for n, st, v, t in s.execute(q.order_by(Metric.step, Metric.name))]
+        if max_points:
+            rows = downsample(rows, max_points)
+        return rows
+
+    def metric_names(self, run_id: int) -> list[str]:
+        with Session(self.engine) as s:
+            return list(s.scalars(select(Metric.name).where(Metric.run_id == run_id).distinct().order_by(Metric.name)))
+
+    def alerts(self, run_id: int, after_id: int | None = None, unacknowledged: bool = False) -> list[dict]:
+        q = select(Alert).where(Alert.run_id == run_id)
+        if unacknowledged:
+            q = q.where(~Alert.acknowledged)
+        return self._rows(run_id, q, Alert, after_id)
+
+    def acknowledge_alert(self, run_id: int, alert_id: int) -> dict:
+        with Session(self.engine) as s:
+            alert = s.get(Alert, alert_id)
+            if alert is None or alert.run_id != run_id:
+                raise RunNotFound(f"alert {alert_id} of run {run_id}")
+            alert.acknowledged = True
+            s.add(alert)
+            s.commit()
+            s.refresh(alert)
+            return _dict(alert)
+
+    def events(self, run_id: int, after_id: int | None = None) -> list[dict]:
+        return self._rows(run_id, select(Event).where(Event.run_id == run_id), Event, after_id)
+
+    def attempts(self, run_id: int) -> list[dict]:
+        return self._rows(run_id, select(Attempt).where(Attempt.run_id == run_id), Attempt)
+
+    def checkpoints(self, run_id: int) -> list[dict]:
+        """Every checkpoint recorded, with `exists` (the engine prunes all but the newest few and the best)."""
+        rows = self._rows(run_id, select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step),
+                          None)
+        return [{**r, "exists": Path(r["path"]).exists()} for r in rows]
+
+    def policy_versions(self, run_id: int) -> list[dict]:
+        return self._rows(run_id, select(PolicyVersion).where(PolicyVersion.run_id == run_id)
+                          .order_by(PolicyVersion.version), None)
+
+    def log_path(self, run_id: int, attempt: int | None = None) -> Path | None:
+        """The log (stdout + stderr) of an attempt, by number; the latest by default."""
+        q = select(Attempt.log_path).where(Attempt.run_id == run_id)
+        q = q.where(Attempt.number == attempt) if attempt else q.order_by(Attempt.number.desc()).limit(1)
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            path = s.scalars(q).first()
+        return Path(path) if path else None
+
+    def log_tail(self, run_id: int, attempt: int | None = None, max_bytes: int = 65536) -> str:
+        path = self.log_path(run_id, attempt)
+        if not path or not path.exists():
+            return ""
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            return f.read().decode(errors="replace")
+
+    def daemon_status(self) -> dict:
+        """Whether a daemon owns this data directory (it holds MOLT_HOME/daemon.lock), and its pid."""
+        holder = lock_holder(self.home / "daemon.lock")
+        return {"running": holder is not None, "pid": int(holder) if holder and holder.isdigit() else None,
+                "home": str(self.home)}
+
+    def run_dir(self, run_id: int) -> Path:
+        return run_dir(self.home, run_id)
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+
+    def _get(self, s: Session, run_id: int) -> Run:
+        run = s.get(Run, run_id)
+        if run is None:
+            raise RunNotFound(f"run {run_id}")
+        return run
+
+    def _rows(self, run_id, q, model, after_id=None) -> list[dict]:
+        if model is not None:
+            q = q.order_by(model.id)
+            if after_id is not None:
+                q = q.where(model.id > after_id)
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            return [_dict(r) for r in s.scalars(q)]
+
+    def _run_dict(self, s: Session, run: Run, open_alerts: int | None = None) -> dict:
+        d = _dict(run)
+        if open_alerts is None:
+            open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run.id, ~Alert.acknowledged))
+        d["alerts_open"] = open_alerts
+        d["pid"] = run.pid if run.status in ACTIVE else None
+        return d
+
+
+def downsample(rows: list[dict], max_points: int) -> list[dict]:
+    """Per name, split the steps into max_points // 2 buckets and keep each bucket's min and max row (NaN rows are
+    kept too, so a NaN is never averaged away). Input and output ordered by step."""
+    by_name: dict[str, list[dict]] = {}
+    for r in rows:
+        by_name.setdefault(r["name"], []).append(r)
+    out = []
+    for series in by_name.values():
+        if len(series) <= max_points:
+            out += series
+            continue
+        buckets = max(1, max_points // 2)
+        size = math.ceil(len(series) / buckets)
+        for i in range(0, len(series), size):
+            chunk = series[i:i + size]
+            finite = [r for r in chunk if not math.isnan(r["value"])]
+            keep = {id(r): r for r in chunk if math.isnan(r["value"])}
+            if finite:
+                for r in (min(finite, key=lambda r: r["value"]), max(finite, key=lambda r: r["value"])):
+                    keep[id(r)] = r
+            out += sorted(keep.values(), key=lambda r: r["step"])
+    return sorted(out, key=lambda r: (r["step"], r["name"]))
+
+
+def _dict(row) -> dict:
+    # getattr, not model_dump(): it loads attributes that a commit expired (model_dump would silently drop them)
+    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
+
+
+def _event(s: Session, run_id: int, kind: str, message: str, **data):
+    s.add(Event(run_id=run_id, kind=kind, source="daemon", message=message, data=data))

@@ -1,0 +1,133 @@
+"""The SQLite database in the data directory: engine with WAL + busy timeout, migrate-on-start, small helpers."""
+import fcntl
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import event, update
+from sqlalchemy.engine import Engine
+from sqlmodel import create_engine
+
+from .models import Run
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+BUSY_TIMEOUT_S = 30
+
+
+def data_home(home: str | Path | None = None) -> Path:
+    """The data directory: `home`, else $MOLT_HOME, else ./var (absolute, so workers agree with the daemon)."""
+    return Path(home or os.environ.get("MOLT_HOME") or "var").expanduser().resolve()
+
+
+def run_dir(home: Path, run_id: int) -> Path:
+    """A run's directory: the engine's out_dir (checkpoints/, final/) plus the attempt logs and spools."""
+    return home / "runs" / str(run_id)
+
+
+def db_url(home: Path) -> str:
+    return f"sqlite:///{home / 'molt.db'}"
+
+
+def connect(home: str | Path | None = None, migrate: bool = True) -> Engine:
+    """An engine on MOLT_HOME/molt.db; with `migrate`, bring the schema to the newest revision first."""
+    home = data_home(home)
+    home.mkdir(parents=True, exist_ok=True)
+    engine = sqlite_engine(db_url(home))
+    if migrate:
+        upgrade(engine, home)
+    return engine
+
+
+def sqlite_engine(url: str) -> Engine:
+    # check_same_thread off: the sink's writer thread takes pooled connections too (never two threads at once).
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_S})
+
+    @event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn, _record):
+        # WAL: readers (the app, the supervisor) never block the writers (workers) and vice versa. busy_timeout:
+        # writers queue for the write lock instead of failing with "database is locked". synchronous=NORMAL is
+        # safe in WAL (a power loss may drop the last commits, never corrupt).
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+    return engine
+
+
+def alembic_config(connection=None):
+    from alembic.config import Config
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def upgrade(engine: Engine, home: Path, revision: str = "head"):
+    """alembic upgrade, under a file lock: the daemon, the app and tests may all start at once."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    with file_lock(home / "migrate.lock"), engine.begin() as conn:
+        cfg = alembic_config(conn)
+        if revision == "head":
+            heads = set(ScriptDirectory.from_config(cfg).get_heads())
+            current = set(MigrationContext.configure(conn).get_current_heads())
+            if current == heads:
+                return  # the common case, without loading env.py
+            logging.getLogger("molt.daemon").info("migrating %s from %s to %s", home / "molt.db",
+                                                  ",".join(sorted(current)) or "empty", ",".join(sorted(heads)))
+        command.upgrade(cfg, revision)
+
+
+@contextmanager
+def file_lock(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def hold_lock(path: Path, content: str):
+    """Take an exclusive lock on `path`, held for as long as the returned file stays open (the kernel drops it when
+    the process dies, however it dies), and write `content` (who holds it) into the file. None if already held."""
+    f = open(path, "a+")  # Python opens files non-inheritable: a child process never keeps our lock alive
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(content)
+    f.flush()
+    return f
+
+
+def lock_holder(path: Path) -> str | None:
+    """What the live holder of the lock on `path` wrote in it ("" if not yet written), or None if nobody holds it."""
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip()
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return None
+
+
+def set_run(conn, run_id: int, only_if: tuple[str, ...] | None = None, **values) -> bool:
+    """UPDATE one run, if its status is one of `only_if`: one atomic statement, so the API (stop/resume) and the
+    supervisor (exits, restarts) never overwrite each other's status decisions. True if the row changed."""
+    stmt = update(Run).where(Run.id == run_id).values(**values)
+    if only_if is not None:
+        stmt = stmt.where(Run.status.in_(only_if))
+    return conn.execute(stmt).rowcount == 1

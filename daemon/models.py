@@ -1,0 +1,126 @@
+"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts and events."""
+import time
+
+from sqlalchemy import JSON, Column, Text, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+# Named constraints, so that Alembic's batch mode on SQLite can find and drop them in later migrations.
+SQLModel.metadata.naming_convention = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Times are unix seconds (float, UTC): unambiguous, sortable, and what the heartbeat arithmetic needs.
+ACTIVE = ("running", "restarting", "stopping")       # a slot is taken: a worker lives or is about to
+TERMINAL = ("completed", "failed", "stopped", "tripped")
+STATUSES = ("queued",) + ACTIVE + TERMINAL
+
+
+def now() -> float:
+    return time.time()
+
+
+class Run(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    name: str
+    status: str = Field(default="queued", index=True)  # see STATUSES; only the supervisor and api.py change it
+    config: dict = Field(sa_column=Column(JSON, nullable=False))  # the validated config with every default filled in
+    tags: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    step: int = 0                          # trainer steps done (the engine's latest metrics step + 1)
+    total_steps: int
+    version: int = 0                       # latest policy version
+    reward: float | None = None            # latest reward_mean, for the runs list
+    restarts: int = 0                      # automatic restarts, all time
+    retries: int = 0                       # failed attempts in a row without new progress (the budget)
+    max_restarts: int = 3
+    pid: int | None = None                 # the live worker, else None
+    last_error: str | None = Field(default=None, sa_column=Column(Text))
+    summary: dict | None = Field(default=None, sa_column=Column(JSON))  # what train() returned, last attempt
+    created_at: float = Field(default_factory=now)
+    started_at: float | None = None
+    finished_at: float | None = None
+    next_start_at: float | None = None     # status restarting: when the backoff ends
+
+
+class Attempt(SQLModel, table=True):
+    """One worker process of a run. cause: "SIGKILL", "exit code 1", "hang", "ValueError: ..." (with the traceback
+    tail in `error`), or the outcome ("completed", "stopped", "tripped") of a clean exit."""
+    __table_args__ = (UniqueConstraint("run_id", "number"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id", index=True)
+    number: int                            # 1, 2, ... within the run
+    pid: int | None = None
+    started_at: float = Field(default_factory=now)
+    ended_at: float | None = None
+    heartbeat_at: float | None = None
+    start_step: int | None = None          # the step it resumed from (0 = fresh start)
+    end_step: int | None = None            # the run's step when it ended (how far this attempt got)
+    outcome: str | None = None             # written by the worker: completed | stopped | tripped | error
+    exit_code: int | None = None
+    signal: str | None = None
+    cause: str | None = Field(default=None, sa_column=Column(Text))
+    error: str | None = Field(default=None, sa_column=Column(Text))
+    log_path: str | None = None
+
+
+class Metric(SQLModel, table=True):
+    """One value per (run, name, step): a replayed step overwrites, never duplicates. value NULL means NaN
+    (SQLite stores NaN as NULL; ±inf are stored as they are), so a NaN loss stays visible."""
+    __table_args__ = (UniqueConstraint("run_id", "name", "step"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id")
+    name: str
+    step: int
+    value: float | None = None
+    time: float = Field(default_factory=now)
+
+
+class PolicyVersion(SQLModel, table=True):
+    __tablename__ = "policy_version"
+    __table_args__ = (UniqueConstraint("run_id", "version"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id")
+    version: int
+    step: int
+    time: float = Field(default_factory=now)
+    reward_mean: float | None = None
+    staleness_mean: float | None = None
+    staleness_max: float | None = None
+
+
+class Checkpoint(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("run_id", "step"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id")
+    step: int
+    path: str
+    size_bytes: int | None = None
+    version: int | None = None
+    time: float = Field(default_factory=now)
+
+
+class Alert(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id", index=True)
+    time: float = Field(default_factory=now)
+    step: int | None = None
+    kind: str                              # breaker, staleness, mismatch (engine); worker (supervisor)
+    message: str = Field(sa_column=Column(Text, nullable=False))
+    data: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    acknowledged: bool = False
+    uid: str | None = Field(default=None, unique=True)  # "attempt:seq" from a worker: replaying its spool is a no-op
+
+
+class Event(SQLModel, table=True):
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id", index=True)
+    time: float = Field(default_factory=now)
+    step: int | None = None
+    kind: str                              # warm_start, resumed, saved, rollback, stopped (engine); attempt, ...
+    source: str = "engine"                 # engine | daemon
+    message: str = Field(sa_column=Column(Text, nullable=False))
+    data: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    uid: str | None = Field(default=None, unique=True)

@@ -1,0 +1,240 @@
+"""The database sink: the engine reports to it, a writer thread commits the records to SQLite in batches."""
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from sqlalchemy import func, update
+from sqlalchemy.dialects.sqlite import insert
+from sqlalchemy.engine import Engine
+
+from .models import Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run
+
+FLUSH_EVERY_S = 0.5
+HEARTBEAT_EVERY_S = 1.0
+
+
+class DbSink:
+    """The engine's sink for a daemon run. Calls return at once (the engine's event loop must never wait on the
+    database): a record is appended to a list and to a spool file, and a writer thread commits the list every
+    FLUSH_EVERY_S in one transaction. The spool is why a SIGKILL loses nothing: a write() is in the kernel as soon
+    as it returns, and whoever finds the worker dead replays the spool (replay_spools) before the next attempt.
+    Every write is idempotent: metrics upsert on (run, name, step), alerts and events carry a unique uid.
+
+    Heartbeats go to the attempt row, at most once a second, with the time the engine called heartbeat(), not the
+    time of the write: if the event loop hangs, the written time stops moving even though this thread lives on.
+    Until the engine's first heartbeat (imports, model loading, warm start) the writer thread beats instead."""
+
+    def __init__(self, engine: Engine, run_id: int, attempt_id: int, spool_dir: Path | None = None,
+                 flush_every: float = FLUSH_EVERY_S):
+        self.engine, self.run_id, self.attempt_id, self.flush_every = engine, run_id, attempt_id, flush_every
+        self.spool_dir = Path(spool_dir) if spool_dir else None
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []
+        self._seq = 0
+        self._segment, self._fd = 0, None
+        self._committed_upto = -1              # spool segments up to this index are in the database
+        self._engine_beat: float | None = None  # the time of the engine's latest heartbeat() call
+        self._beat_written, self._beat_write_at = 0.0, -1e9
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self.passes = self.failures = 0    # writer passes / failed transactions (for tests and the bench)
+        self.writer_cpu_s = None
+        if self.spool_dir:
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
+            self._fd = self._open_segment()
+        self._thread = threading.Thread(target=self._loop, name=f"molt-db-writer-{run_id}", daemon=True)
+        self._thread.start()
+
+    # ---- the engine's Sink protocol (any thread; never blocks on the database) -------------------------------------
+
+    def metrics(self, step: int, values: dict[str, float]):
+        self._add({"t": "metrics", "time": time.time(), "step": int(step), "values": _floats(values)})
+
+    def alert(self, kind: str, message: str, **data):
+        self._add({"t": "alert", "time": time.time(), "kind": kind, "message": message, "data": data}, uid=True)
+
+    def event(self, kind: str, message: str, **data):
+        self._add({"t": "event", "time": time.time(), "kind": kind, "message": message, "data": data}, uid=True)
+
+    def checkpoint(self, step: int, path: str, **info):
+        self._add({"t": "checkpoint", "time": time.time(), "step": int(step), "path": str(path), "info": info})
+        self._wake.set()  # the UI wants to see a checkpoint promptly; the flush costs a few ms off the event loop
+
+    def heartbeat(self):
+        self._engine_beat = time.time()
+
+    def close(self, timeout: float = 30.0):
+        """Stop the writer after a last flush. The spool is removed only when everything is committed."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+
+    def _add(self, record: dict, uid: bool = False):
+        with self._lock:
+            if uid:
+                self._seq += 1
+                record["uid"] = f"{self.attempt_id}:{self._seq}"
+            if self._fd is not None:
+                os.write(self._fd, (json.dumps(record, default=_jsonable) + "\n").encode())
+            self._pending.append(record)
+
+    def _open_segment(self) -> int:
+        path = self.spool_dir / f"spool-{self.attempt_id:08d}-{self._segment:06d}.jsonl"
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self._flush()
+            self._wake.wait(self.flush_every)
+            self._wake.clear()
+        for _ in range(20):  # the last records; the database may be busy for a moment
+            if self._flush():
+                break
+            time.sleep(0.5)
+        if self._fd is not None and not self._pending:
+            os.close(self._fd)
+            self._fd = None
+            self._remove_segments(self._segment)
+        self.writer_cpu_s = time.thread_time()  # this thread's CPU time, all of it (the bench reports it)
+
+    def _flush(self) -> bool:
+        self.passes += 1
+        beat = self._engine_beat if self._engine_beat is not None else time.time()  # before the engine's first
+        if beat == self._beat_written or time.monotonic() - self._beat_write_at < HEARTBEAT_EVERY_S:
+            beat = None
+        with self._lock:
+            batch, self._pending = self._pending, []
+            if batch and self._fd is not None:  # the records of this batch end in the segment we close now
+                os.close(self._fd)
+                closed, self._segment = self._segment, self._segment + 1
+                self._fd = self._open_segment()
+            else:
+                closed = None
+        if not batch and beat is None:
+            return True
+        try:
+            with self.engine.begin() as conn:
+                write_records(conn, self.run_id, self.attempt_id, batch, heartbeat=beat)
+        except Exception as e:  # a busy or broken database must not kill training: keep the records, retry later
+            self.failures += 1
+            print(f"molt: database write failed ({type(e).__name__}: {e}); will retry", file=sys.stderr, flush=True)
+            with self._lock:
+                self._pending[:0] = batch
+            return False
+        if beat is not None:
+            self._beat_written, self._beat_write_at = beat, time.monotonic()
+        if closed is not None:
+            self._remove_segments(closed)
+        return True
+
+    def _remove_segments(self, upto: int):
+        for i in range(self._committed_upto + 1, upto + 1):
+            (self.spool_dir / f"spool-{self.attempt_id:08d}-{i:06d}.jsonl").unlink(missing_ok=True)
+        self._committed_upto = upto
+
+
+def write_records(conn, run_id: int, attempt_id: int, records: list[dict], heartbeat: float | None = None):
+    """Commit sink records (from memory or a spool) in the caller's transaction. Idempotent."""
+    metrics, versions, checkpoints, alerts, events, run_values = [], [], [], [], [], {}
+    first_step = None
+    for r in records:
+        kind = r["t"]
+        if kind == "metrics":
+            step, values = r["step"], r["values"]
+            first_step = step if first_step is None else min(first_step, step)
+            metrics += [dict(run_id=run_id, name=k, step=step, value=_real(v), time=r["time"])
+                        for k, v in values.items()]
+            if "version" in values and "reward_mean" in values:  # a trainer step (eval results come separately)
+                version = int(values["version"])
+                run_values.update(step=step + 1, version=version, reward=_real(values["reward_mean"]))
+                versions.append(dict(run_id=run_id, version=version, step=step, time=r["time"],
+                                     reward_mean=_real(values.get("reward_mean")),
+                                     staleness_mean=_real(values.get("staleness_mean")),
+                                     staleness_max=_real(values.get("staleness_max"))))
+        elif kind == "checkpoint":
+            info = r["info"]
+            size = info.get("size_bytes")
+            if size is None and Path(r["path"]).is_dir():
+                size = sum(f.stat().st_size for f in Path(r["path"]).rglob("*") if f.is_file())
+            version = info.get("version")
+            checkpoints.append(dict(run_id=run_id, step=r["step"], path=r["path"], size_bytes=size,
+                                    version=int(version) if version is not None else None, time=r["time"]))
+        elif kind in ("alert", "event"):
+            step = r["data"].get("step")
+            row = dict(run_id=run_id, time=r["time"], step=step if isinstance(step, int) else None, kind=r["kind"],
+                       message=r["message"], data=r["data"], uid=r.get("uid"))
+            (alerts if kind == "alert" else events).append(row)
+    if metrics:
+        stmt = insert(Metric)
+        conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "name", "step"],
+                                                set_={"value": stmt.excluded.value, "time": stmt.excluded.time}),
+                     metrics)
+    if versions:
+        # A version's row is the step that produced it: a step the breaker refused reports the same version again
+        # (a later step: ignored); a resumed attempt replays the same step (updated); a rollback makes a new one.
+        stmt = insert(PolicyVersion)
+        conn.execute(stmt.on_conflict_do_update(
+            index_elements=["run_id", "version"],
+            set_={c: getattr(stmt.excluded, c) for c in ("step", "time", "reward_mean", "staleness_mean",
+                                                        "staleness_max")},
+            where=stmt.excluded.step <= PolicyVersion.__table__.c.step), versions)
+    if checkpoints:
+        stmt = insert(Checkpoint)
+        conn.execute(stmt.on_conflict_do_update(
+            index_elements=["run_id", "step"],
+            set_={c: getattr(stmt.excluded, c) for c in ("path", "size_bytes", "version", "time")}), checkpoints)
+    for model, rows in ((Alert, alerts), (Event, events)):
+        if rows:
+            conn.execute(insert(model).on_conflict_do_nothing(index_elements=["uid"]), rows)
+    if run_values:
+        conn.execute(update(Run).where(Run.id == run_id).values(**run_values))
+    attempt_values = {}
+    if first_step is not None:  # the attempt's first step: 0 for a fresh start, else the checkpoint it resumed
+        attempt_values["start_step"] = func.coalesce(Attempt.start_step, first_step)
+    if heartbeat is not None:
+        attempt_values["heartbeat_at"] = heartbeat
+    if attempt_values:
+        conn.execute(update(Attempt).where(Attempt.id == attempt_id).values(**attempt_values))
+
+
+def replay_spools(engine: Engine, run_id: int, directory: Path) -> int:
+    """Commit what dead workers of this run spooled but never committed, then delete their spools. Returns the
+    number of records replayed. Call only when no worker of the run is alive."""
+    count = 0
+    for path in sorted(Path(directory).glob("spool-*.jsonl")):
+        attempt_id = int(path.name.split("-")[1])
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line torn by a crash of the machine (a killed process never tears one)
+                continue
+        with engine.begin() as conn:
+            write_records(conn, run_id, attempt_id, records)
+        path.unlink()
+        count += len(records)
+    return count
+
+
+def _floats(values: dict) -> dict[str, float]:
+    out = {}
+    for k, v in values.items():
+        try:
+            out[k] = float(v)  # also numpy and 0-d torch scalars
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def _real(v):
+    """SQLite stores NaN as NULL: so NULL in a REAL column means NaN (±inf are stored as they are)."""
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def _jsonable(o):
+    return o.item() if hasattr(o, "item") else str(o)

@@ -1,0 +1,342 @@
+"""The daemon: starts queued runs as worker processes, watches heartbeats and exits, restarts, reconciles."""
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from sqlalchemy import func, select, update
+from sqlmodel import Session
+
+from .db import connect, data_home, hold_lock, lock_holder, run_dir, set_run
+from .models import ACTIVE, Alert, Attempt, Event, Run, now
+from .sink import replay_spools
+from .worker import DUPLICATE
+
+log = logging.getLogger("molt.daemon")
+ROOT = Path(__file__).resolve().parent.parent   # on the workers' PYTHONPATH: they run this same code
+OUTCOMES = ("completed", "stopped", "tripped")  # a worker's clean ends; each is also the run's final status
+
+
+class DaemonRunning(RuntimeError):
+    pass
+
+
+@dataclass
+class Worker:
+    run_id: int
+    attempt_id: int
+    number: int
+    pid: int
+    started: float
+    proc: subprocess.Popen | None   # None: adopted from an earlier daemon, so not our child (no exit code)
+    log: IO | None = None
+    term_at: float | None = None    # when we sent SIGTERM for a stop
+    killed: bool = False
+    hang: bool = False
+
+
+class Supervisor:
+    """One per data directory (MOLT_HOME/daemon.lock). Every poll: watch the workers (exit, heartbeat, stop
+    requests), reconcile runs marked active that have no worker here (adopt a live one, else restart), start due
+    restarts and queued runs up to `concurrency`. All state is in the database; this object only caches the
+    workers it watches, so a daemon killed at any moment is replaced by a new one without losing anything."""
+
+    def __init__(self, home: str | Path | None = None, *, concurrency: int = 1, heartbeat_timeout: float = 60.0,
+                 poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 30.0):
+        self.home = data_home(home)
+        self.concurrency, self.heartbeat_timeout, self.poll = concurrency, heartbeat_timeout, poll
+        self.backoff, self.backoff_max, self.stop_grace = backoff, backoff_max, stop_grace
+        self.workers: dict[int, Worker] = {}
+        self.engine = None
+
+    def run(self, stop: threading.Event | None = None):
+        """Supervise until `stop` is set. Workers keep running when the daemon exits; the next daemon adopts them."""
+        stop = stop or threading.Event()
+        self.home.mkdir(parents=True, exist_ok=True)
+        lock = hold_lock(self.home / "daemon.lock", str(os.getpid()))
+        if lock is None:
+            raise DaemonRunning(f"a daemon (pid {lock_holder(self.home / 'daemon.lock')}) already owns {self.home}")
+        try:
+            self.engine = connect(self.home)
+            log.info("daemon pid %d on %s: concurrency %d, heartbeat timeout %.0fs", os.getpid(), self.home,
+                     self.concurrency, self.heartbeat_timeout)
+            while not stop.is_set():
+                try:
+                    self.tick()
+                except Exception:  # e.g. a database error: log it and try again next poll, never die of it
+                    log.exception("supervisor tick failed")
+                stop.wait(self.poll)
+            if self.workers:
+                log.info("leaving %d worker(s) running; the next daemon adopts them", len(self.workers))
+        finally:
+            for w in self.workers.values():
+                if w.log:
+                    w.log.close()
+            lock.close()
+
+    def tick(self):
+        self.watch()
+        self.reconcile()
+        self.start_due()
+
+    # ---- watching -------------------------------------------------------------------------------------------------
+
+    def watch(self):
+        for w in list(self.workers.values()):
+            if w.proc is not None:
+                rc = w.proc.poll()
+                if rc is not None:
+                    self.end_attempt(w.run_id, w.attempt_id, rc, hang=w.hang)
+                    continue
+            elif not self.worker_alive(w.run_id, w.pid):
+                self.end_attempt(w.run_id, w.attempt_id, None, hang=w.hang)
+                continue
+            with Session(self.engine) as s:
+                status = s.scalar(select(Run.status).where(Run.id == w.run_id))
+                beat = s.scalar(select(Attempt.heartbeat_at).where(Attempt.id == w.attempt_id))
+            t = now()
+            if status == "stopping":
+                if w.term_at is None:
+                    log.info("run %d: stop requested, SIGTERM to worker %d", w.run_id, w.pid)
+                    self.signal(w, signal.SIGTERM)
+                    w.term_at = t
+                elif t - w.term_at > self.stop_grace and not w.killed:
+                    log.warning("run %d: worker %d did not stop within %.0fs: SIGKILL", w.run_id, w.pid,
+                                self.stop_grace)
+                    self.signal(w, signal.SIGKILL)
+            elif not w.hang and t - max(beat or 0.0, w.started) > self.heartbeat_timeout:
+                log.warning("run %d: no heartbeat from worker %d for %.0fs: hung, SIGKILL", w.run_id, w.pid,
+                            t - max(beat or 0.0, w.started))
+                w.hang = True
+                self.signal(w, signal.SIGKILL)
+
+    def signal(self, w: Worker, sig: int):
+        # The worker leads its own process group (start_new_session): the group takes any helpers it started too.
+        try:
+            os.killpg(w.pid, sig)
+        except ProcessLookupError:
+            pass
+        w.killed |= sig == signal.SIGKILL
+
+    def worker_alive(self, run_id: int, pid: int | None = None) -> bool:
+        holder = lock_holder(run_dir(self.home, run_id) / "worker.lock")
+        return holder is not None and (pid is None or holder.split(" ")[0] in ("", str(pid)))
+
+    def end_attempt(self, run_id: int, attempt_id: int, rc: int | None, hang: bool = False, lost: bool = False):
+        """A worker is gone (rc: its exit status; None if it was not our child). Record why, then decide the run's
+        next status: its final one, `restarting` after a backoff, or `failed` past max_restarts."""
+        w = self.workers.pop(run_id, None)
+        if w and w.log:
+            w.log.close()
+        replay_spools(self.engine, run_id, run_dir(self.home, run_id))  # what it reported but never committed
+        sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
+        with Session(self.engine) as s:
+            attempt = s.get(Attempt, attempt_id)
+            outcome, terminal, counted = attempt.outcome, None, True
+            if rc == DUPLICATE:
+                # It found another live worker of this run and never started; reconcile() adopts that one.
+                cause, counted = "duplicate: another worker of this run was alive", False
+            elif hang:
+                cause = "hang"
+            elif outcome in OUTCOMES:  # recorded last, after everything else: a kill during teardown changes nothing
+                terminal = cause = outcome
+            elif outcome == "error":
+                cause = attempt.cause or f"exit code {rc}"
+            elif sig:
+                cause = sig
+            elif rc is None:
+                cause = ("lost: no live worker found when the daemon started" if lost
+                         else "exited while adopted (exit status unknown)")
+                counted = not lost  # the daemon's crash, not the run's fault
+            else:
+                cause = f"exit code {rc}"
+            end_step = s.scalar(select(Run.step).where(Run.id == run_id))
+            s.execute(update(Attempt).where(Attempt.id == attempt_id).values(
+                ended_at=now(), exit_code=rc, signal=sig, cause=cause, end_step=end_step))
+            s.commit()
+            attempt.end_step = end_step
+            if rc != DUPLICATE:
+                self.decide(s, run_id, attempt, cause, terminal, counted)
+            s.commit()
+
+    def decide(self, s: Session, run_id: int, attempt: Attempt, cause: str, terminal: str | None, counted: bool):
+        """The restart budget counts failed attempts in a row that made no new progress: an attempt that trained
+        past the furthest step of all earlier attempts starts the count again. So a long run survives any number
+        of isolated kills, while one that dies at the same place every time fails after max_restarts restarts."""
+        error = cause + (f"\n{attempt.error}" if attempt.error and attempt.error not in cause else "")
+        before = s.scalar(select(func.max(Attempt.end_step)).where(Attempt.run_id == run_id,
+                                                                   Attempt.number < attempt.number)) or 0
+        progressed = (attempt.end_step or 0) > before
+        for _ in range(5):  # each update is conditional on the status we read: if the API changed it, re-decide
+            run = s.get(Run, run_id, populate_existing=True)
+            t, n = now(), attempt.number
+            retries = 1 if progressed else run.retries + 1
+            if terminal or run.status == "stopping":
+                status = terminal or "stopped"
+                extra = {}
+                if status == "tripped":  # the breaker's last alert says why
+                    extra["last_error"] = s.scalar(select(Alert.message).where(
+                        Alert.run_id == run_id, Alert.kind == "breaker").order_by(Alert.id.desc()).limit(1)) or cause
+                if set_run(s, run_id, (run.status,), status=status, pid=None, finished_at=t, next_start_at=None,
+                           **extra):
+                    _event(s, run_id, status, f"attempt {n} ended: {cause}; run {status}", attempt=n)
+                    log.info("run %d: %s", run_id, status)
+                    return
+            elif not counted:
+                if set_run(s, run_id, (run.status,), status="restarting", pid=None, next_start_at=t,
+                           restarts=run.restarts + 1):
+                    _event(s, run_id, "restarting", f"attempt {n} ended: {cause}; restarting now", attempt=n)
+                    return
+            elif retries <= run.max_restarts:
+                delay = min(self.backoff_max, self.backoff * 2 ** (retries - 1))
+                if set_run(s, run_id, (run.status,), status="restarting", pid=None, next_start_at=t + delay,
+                           retries=retries, restarts=run.restarts + 1, last_error=error):
+                    message = (f"attempt {n} died at step {attempt.end_step}: {cause}; restart {retries} of "
+                               f"{run.max_restarts} in {delay:.1f}s from the latest checkpoint")
+                    s.add(Alert(run_id=run_id, kind="worker", message=message, data={"attempt": n, "cause": cause}))
+                    _event(s, run_id, "restarting", message, attempt=n, delay=delay)
+                    log.warning("run %d: %s", run_id, message)
+                    return
+            else:
+                if set_run(s, run_id, (run.status,), status="failed", pid=None, finished_at=t, next_start_at=None,
+                           retries=retries, last_error=error):
+                    message = (f"attempt {n} died at step {attempt.end_step}: {cause}; {run.max_restarts} restarts "
+                               f"without progress used up: run failed")
+                    s.add(Alert(run_id=run_id, kind="worker", message=message, data={"attempt": n, "cause": cause}))
+                    _event(s, run_id, "failed", message, attempt=n)
+                    log.error("run %d: %s", run_id, message)
+                    return
+
+    # ---- reconciling ----------------------------------------------------------------------------------------------
+
+    def reconcile(self):
+        """Runs marked active without a worker here: after a daemon restart (or anything unexpected). A live worker
+        is adopted, never duplicated; a dead one's open attempt is closed and the run continues or ends."""
+        with Session(self.engine) as s:
+            runs = s.scalars(select(Run).where(Run.status.in_(ACTIVE), Run.id.not_in(list(self.workers)))).all()
+            for run in runs:
+                holder = lock_holder(run_dir(self.home, run.id) / "worker.lock")
+                open_attempts = s.scalars(select(Attempt).where(Attempt.run_id == run.id, Attempt.ended_at.is_(None))
+                                          .order_by(Attempt.number)).all()
+                if holder is not None:
+                    self.adopt(s, run, holder, open_attempts)
+                    continue
+                for attempt in open_attempts:
+                    log.info("run %d: attempt %d has no live worker", run.id, attempt.number)
+                    self.end_attempt(run.id, attempt.id, None, lost=True)
+                s.expire_all()
+                run = s.get(Run, run.id)
+                if run.status == "stopping":
+                    set_run(s, run.id, ("stopping",), status="stopped", pid=None, finished_at=now())
+                elif run.status == "running":  # no open attempt at all (e.g. killed right after marking it)
+                    set_run(s, run.id, ("running",), status="restarting", pid=None, next_start_at=now())
+                s.commit()
+
+    def adopt(self, s: Session, run: Run, holder: str, open_attempts: list[Attempt]):
+        pid_text, _, attempt_text = holder.partition(" ")
+        if not pid_text.isdigit() or not attempt_text.isdigit():
+            return  # it is writing the lock file right now; look again next poll
+        attempt = s.get(Attempt, int(attempt_text))
+        for other in open_attempts:
+            if other.id != attempt.id:
+                self.end_attempt(run.id, other.id, None, lost=True)
+        pid = int(pid_text)
+        self.workers[run.id] = Worker(run.id, attempt.id, attempt.number, pid, attempt.started_at, proc=None)
+        set_run(s, run.id, ("restarting",), status="running")
+        s.execute(update(Run).where(Run.id == run.id).values(pid=pid))
+        _event(s, run.id, "adopted", f"daemon adopted the live worker of attempt {attempt.number} (pid {pid})",
+               attempt=attempt.number, pid=pid)
+        s.commit()
+        log.info("run %d: adopted live worker pid %d (attempt %d)", run.id, pid, attempt.number)
+
+    # ---- starting -------------------------------------------------------------------------------------------------
+
+    def start_due(self):
+        with Session(self.engine) as s:
+            due = s.scalars(select(Run).where(Run.status == "restarting", Run.next_start_at <= now(),
+                                              Run.id.not_in(list(self.workers))).order_by(Run.id)).all()
+            for run in due:
+                self.start(s, run)
+            active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE)))
+            free = self.concurrency - active
+            if free > 0:
+                for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
+                    self.start(s, run)
+
+    def start(self, s: Session, run: Run):
+        """Mark the run running, record the attempt, then start the worker (in this order: a daemon killed in
+        between leaves an open attempt that reconcile() closes; never a worker nobody knows about)."""
+        t = now()
+        if not set_run(s, run.id, (run.status,), status="running", next_start_at=None, finished_at=None,
+                       started_at=func.coalesce(Run.started_at, t)):
+            return  # the API changed it meanwhile (stopped)
+        number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run.id)) or 0) + 1
+        directory = run_dir(self.home, run.id)
+        directory.mkdir(parents=True, exist_ok=True)
+        log_path = directory / f"attempt-{number}.log"
+        attempt = Attempt(run_id=run.id, number=number, started_at=t, log_path=str(log_path))
+        s.add(attempt)
+        s.commit()
+        cmd = [sys.executable, "-m", "daemon.worker", str(run.id), "--attempt", str(attempt.id),
+               "--home", str(self.home)]
+        env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # progress bars would flood the log
+               **os.environ, "MOLT_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        logfile = open(log_path, "ab")
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        except OSError as e:
+            logfile.close()
+            s.execute(update(Attempt).where(Attempt.id == attempt.id).values(outcome="error",
+                                                                            cause=f"could not start: {e}"))
+            s.commit()
+            self.end_attempt(run.id, attempt.id, 1)
+            return
+        s.execute(update(Attempt).where(Attempt.id == attempt.id).values(pid=proc.pid))
+        s.execute(update(Run).where(Run.id == run.id).values(pid=proc.pid))
+        _event(s, run.id, "attempt", f"attempt {number} started (pid {proc.pid})", attempt=number, pid=proc.pid)
+        s.commit()
+        self.workers[run.id] = Worker(run.id, attempt.id, number, proc.pid, t, proc, logfile)
+        log.info("run %d: attempt %d started, pid %d, log %s", run.id, number, proc.pid, log_path)
+
+
+def _event(s: Session, run_id: int, kind: str, message: str, **data):
+    s.add(Event(run_id=run_id, kind=kind, source="daemon", message=message, data=data))
+
+
+def cli_main(argv=None) -> int:
+    """`molt daemon` / `python -m daemon`: supervise until SIGTERM or Ctrl-C."""
+    p = argparse.ArgumentParser(prog="molt daemon", description="Run queued training runs as supervised workers.")
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else ./var)")
+    p.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0,
+                   help="seconds without a heartbeat before a worker counts as hung and is restarted (default 60)")
+    p.add_argument("--backoff", type=float, default=2.0,
+                   help="seconds before the first restart; doubles with each further one (default 2)")
+    p.add_argument("--backoff-max", type=float, default=60.0)
+    p.add_argument("--stop-grace", type=float, default=30.0,
+                   help="seconds a stopping worker gets to checkpoint and exit before SIGKILL (default 30)")
+    p.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the database (default 0.5)")
+    a = p.parse_args(argv)
+    if a.concurrency < 1:
+        p.error("--concurrency must be at least 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    sup = Supervisor(a.home, concurrency=a.concurrency, heartbeat_timeout=a.heartbeat_timeout, poll=a.poll,
+                     backoff=a.backoff, backoff_max=a.backoff_max, stop_grace=a.stop_grace)
+    try:
+        sup.run(stop)
+    except DaemonRunning as e:
+        print(f"molt daemon: {e}", file=sys.stderr)
+        return 1
+    return 0

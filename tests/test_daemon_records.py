@@ -1,0 +1,271 @@
+"""The daemon's records without training: migrations, SQLite settings, the database sink, the spool, the Python API."""
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, select
+from sqlmodel import Session, SQLModel
+
+from conftest import wait_until
+from daemon import models
+from daemon.api import Api, Conflict, InvalidConfig, RunNotFound, downsample
+from daemon.db import alembic_config, connect, sqlite_engine, upgrade
+from daemon.models import Attempt, Metric
+from daemon.sink import DbSink, replay_spools
+
+FAST = {"env": "max_digit", "loop": {"steps": 30, "groups_per_step": 4, "group_size": 4, "eval_every": 0},
+        "warm_start": {"steps": 5}, "checkpoint": {"every": 5}}
+
+
+def schema(engine) -> dict:
+    """Tables with their columns, primary keys, foreign keys, unique constraints and indexes, by name."""
+    insp = inspect(engine)
+    out = {}
+    for table in insp.get_table_names():
+        if table == "alembic_version":
+            continue
+        out[table] = {
+            "columns": sorted((c["name"], str(c["type"]), c["nullable"]) for c in insp.get_columns(table)),
+            "pk": insp.get_pk_constraint(table)["constrained_columns"],
+            "fks": sorted((tuple(f["constrained_columns"]), f["referred_table"]) for f in insp.get_foreign_keys(table)),
+            "unique": sorted((u["name"], tuple(u["column_names"])) for u in insp.get_unique_constraints(table)),
+            "indexes": sorted((i["name"], tuple(i["column_names"]), bool(i["unique"]))
+                              for i in insp.get_indexes(table)),
+        }
+    return out
+
+
+def test_upgrade_head_gives_exactly_the_models_schema_and_downgrade_base_empties_it(tmp_path):
+    (tmp_path / "a").mkdir()
+    migrated = sqlite_engine(f"sqlite:///{tmp_path / 'a' / 'molt.db'}")
+    upgrade(migrated, tmp_path / "a")
+    created = sqlite_engine(f"sqlite:///{tmp_path / 'created.db'}")
+    SQLModel.metadata.create_all(created)
+
+    assert set(schema(migrated)) == {"run", "attempt", "metric", "policy_version", "checkpoint", "alert", "event"}
+    assert schema(migrated) == schema(created)
+    with migrated.connect() as conn:  # what `alembic check` does: no difference between models and database
+        assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []
+
+    with migrated.begin() as conn:
+        command.downgrade(alembic_config(conn), "base")
+    assert inspect(migrated).get_table_names() == ["alembic_version"]
+    upgrade(migrated, tmp_path / "a")  # and back up again
+    assert schema(migrated) == schema(created)
+
+
+def test_connections_use_wal_and_a_busy_timeout(tmp_path):
+    engine = connect(tmp_path)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+    assert (tmp_path / "molt.db").exists()
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    return Api(tmp_path_factory.mktemp("home"))
+
+
+def new_attempt(api, run_id, number=1) -> int:
+    with Session(api.engine) as s:
+        attempt = Attempt(run_id=run_id, number=number)
+        s.add(attempt)
+        s.commit()
+        return attempt.id
+
+
+def test_sink_writes_every_kind_of_record_and_a_replayed_step_never_duplicates(api, tmp_path):
+    run = api.create_run(FAST, name="sink", tags=["unit"])
+    first = DbSink(api.engine, run["id"], new_attempt(api, run["id"]), spool_dir=tmp_path, flush_every=0.05)
+    for step in range(10):
+        first.metrics(step, {"reward_mean": step / 10, "version": step + 1, "staleness_mean": 0.0,
+                             "staleness_max": 0.0, "policy_loss": math.nan if step == 7 else 0.5,
+                             "grad_norm": math.inf if step == 8 else 1.0})
+    first.checkpoint(5, str(tmp_path / "step-000005"), size_bytes=123, version=5)
+    first.alert("breaker", "grad norm spike", step=8, norm=math.inf)
+    first.event("warm_start", "done", steps=5)
+    first.close()
+    assert first.failures == 0 and not list(tmp_path.glob("spool-*")), "a clean close leaves no spool"
+
+    # The next attempt resumes from the step-5 checkpoint and sends steps 5..9 again (different values).
+    second = DbSink(api.engine, run["id"], new_attempt(api, run["id"], 2), spool_dir=tmp_path, flush_every=0.05)
+    for step in range(5, 10):
+        second.metrics(step, {"reward_mean": 1.0, "version": step + 1})
+    second.close()
+
+    rows = api.metrics(run["id"], names=["reward_mean"])
+    assert [r["step"] for r in rows] == list(range(10))
+    assert [r["value"] for r in rows] == [0.0, 0.1, 0.2, 0.3, 0.4, 1.0, 1.0, 1.0, 1.0, 1.0]
+    with Session(api.engine) as s:
+        names_steps = s.execute(select(Metric.name, Metric.step).where(Metric.run_id == run["id"])).all()
+    assert len(names_steps) == len(set(names_steps)) == 6 * 10  # 6 names x 10 steps
+    loss = {r["step"]: r["value"] for r in api.metrics(run["id"], names=["policy_loss", "grad_norm"])
+            if r["name"] == "policy_loss"}
+    assert math.isnan(loss[7]) and loss[6] == 0.5, "NaN is stored (as NULL) and read back as NaN"
+    assert api.metrics(run["id"], names=["grad_norm"], after_step=7)[0]["value"] == math.inf
+    assert [v["version"] for v in api.policy_versions(run["id"])] == list(range(1, 11))
+    refused = DbSink(api.engine, run["id"], new_attempt(api, run["id"], 3), flush_every=0.05)
+    refused.metrics(10, {"reward_mean": 0.0, "version": 10, "breaker_tripped": 1.0})  # no new version published
+    refused.close()
+    last = api.policy_versions(run["id"])[-1]
+    assert (last["version"], last["step"], last["reward_mean"]) == (10, 9, 1.0), "version 10 came from step 9"
+    cp = api.checkpoints(run["id"])[0]
+    assert (cp["step"], cp["size_bytes"], cp["version"], cp["exists"]) == (5, 123, 5, False)
+    assert [(a["kind"], a["step"]) for a in api.alerts(run["id"])] == [("breaker", 8)]
+    assert any(e["kind"] == "warm_start" for e in api.events(run["id"]))
+    got = api.get_run(run["id"])
+    assert (got["step"], got["version"], got["reward"], got["alerts_open"]) == (11, 10, 0.0, 1)
+    assert [a["start_step"] for a in api.attempts(run["id"])] == [0, 5, 10]
+
+
+def test_heartbeat_written_time_stops_when_the_engine_stops_beating(api, tmp_path):
+    run = api.create_run(FAST)
+    attempt_id = new_attempt(api, run["id"])
+    sink = DbSink(api.engine, run["id"], attempt_id, flush_every=0.05)
+
+    def beat():
+        return api.attempts(run["id"])[0]["heartbeat_at"]
+    before = wait_until(beat, 10, message="the writer's own startup heartbeat")
+    sink.heartbeat()  # the engine's first beat; from now on only the engine's calls count
+    engine_beat = sink._engine_beat
+    wait_until(lambda: beat() == engine_beat, 10, message="the engine's beat written")
+    passes = sink.passes
+    wait_until(lambda: sink.passes >= passes + 30, 10, message="more writer passes")  # ~1.5 s of a hung event loop
+    assert before <= engine_beat == beat(), "a live writer thread must not hide a hung event loop"
+    sink.close()
+
+
+def test_a_killed_worker_loses_nothing_its_spool_is_replayed_idempotently(api, tmp_path):
+    run = api.create_run(FAST)
+    attempt_id = new_attempt(api, run["id"])
+    script = textwrap.dedent(f"""
+        import os, signal
+        from daemon.db import connect
+        from daemon.sink import DbSink
+        sink = DbSink(connect({str(api.home)!r}, migrate=False), {run['id']}, {attempt_id},
+                      spool_dir={str(tmp_path)!r}, flush_every=3600)  # it never gets to flush
+        for step in range(50):
+            sink.metrics(step, {{"reward_mean": 0.5, "version": step + 1}})
+        sink.alert("staleness", "too stale", step=49)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == -9
+    assert api.metrics(run["id"]) == []
+    spools = list(tmp_path.glob("spool-*.jsonl"))
+    assert spools
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    for p in spools:
+        shutil.copy(p, copies / p.name)
+
+    assert replay_spools(api.engine, run["id"], tmp_path) == 51
+    assert not list(tmp_path.glob("spool-*.jsonl"))
+    assert replay_spools(api.engine, run["id"], copies) == 51  # a second replay changes nothing
+    assert [r["step"] for r in api.metrics(run["id"], names=["reward_mean"])] == list(range(50))
+    assert len(api.alerts(run["id"])) == 1
+    assert api.get_run(run["id"])["step"] == 50
+
+
+def test_api_validates_and_applies_requests_by_status(api):
+    with pytest.raises(InvalidConfig) as e:
+        api.create_run({"env": "nope", "loop": {"steps": 0}}, tags=[""], max_restarts=-1)
+    assert any(m.startswith("env:") for m in e.value.errors)
+    assert any(m.startswith("loop.steps:") for m in e.value.errors)
+    assert any(m.startswith("tags:") for m in e.value.errors)
+    assert any(m.startswith("max_restarts:") for m in e.value.errors)
+    with pytest.raises(RunNotFound):
+        api.get_run(10_000)
+
+    run = api.create_run(FAST, name="queued one", tags=["a", "b"])
+    assert (run["status"], run["total_steps"], run["config"]["loop"]["group_size"]) == ("queued", 30, 4)
+    assert run["config"]["algo"]["estimator"] == "grpo", "defaults are frozen into the stored config"
+    assert run["id"] in [r["id"] for r in api.list_runs(tag="b")]
+    assert run["id"] not in [r["id"] for r in api.list_runs(tag="c")]
+    assert run["id"] in [r["id"] for r in api.list_runs(status=["queued"])]
+
+    assert api.stop_run(run["id"])["status"] == "stopped", "a queued run stops at once"
+    assert api.stop_run(run["id"])["status"] == "stopped", "idempotent"
+    assert api.resume_run(run["id"])["status"] == "queued"
+    assert api.resume_run(run["id"])["status"] == "queued", "idempotent"
+    with Session(api.engine) as s:
+        s.get(models.Run, run["id"]).status = "completed"
+        s.commit()
+    with pytest.raises(Conflict):
+        api.resume_run(run["id"])
+    with pytest.raises(Conflict):
+        api.stop_run(run["id"])
+    assert api.wait_run(run["id"], timeout=1)["status"] == "completed"
+
+
+def test_alerts_can_be_acknowledged(api):
+    run = api.create_run(FAST)
+    sink = DbSink(api.engine, run["id"], new_attempt(api, run["id"]), flush_every=0.05)
+    sink.alert("mismatch", "KL too high", step=3)
+    sink.close()
+    alert = api.alerts(run["id"])[0]
+    assert api.get_run(run["id"])["alerts_open"] == 1
+    assert api.acknowledge_alert(run["id"], alert["id"])["acknowledged"] is True
+    assert api.alerts(run["id"], unacknowledged=True) == []
+    assert api.get_run(run["id"])["alerts_open"] == 0
+    with pytest.raises(RunNotFound):
+        api.acknowledge_alert(run["id"] + 1, alert["id"])
+
+
+def test_downsample_keeps_min_max_and_nan_per_bucket():
+    values = [0.0] * 100
+    values[37], values[62], values[80] = 50.0, -9.0, math.nan
+    rows = [{"name": "loss", "step": i, "value": v, "time": 0.0} for i, v in enumerate(values)]
+    rows += [{"name": "short", "step": i, "value": 1.0, "time": 0.0} for i in range(5)]
+    out = downsample(rows, 20)
+    loss = [r for r in out if r["name"] == "loss"]
+    assert len(loss) <= 21
+    assert {37, 62, 80} <= {r["step"] for r in loss}
+    assert [r["step"] for r in loss] == sorted(r["step"] for r in loss)
+    assert len([r for r in out if r["name"] == "short"]) == 5
+
+
+def test_one_daemon_per_data_directory(tmp_path):
+    from daemon.db import hold_lock
+    from daemon.supervisor import DaemonRunning, Supervisor
+    api = Api(tmp_path)
+    assert api.daemon_status()["running"] is False
+    lock = hold_lock(tmp_path / "daemon.lock", "4242")  # as a running daemon holds it
+    assert api.daemon_status() == {"running": True, "pid": 4242, "home": str(tmp_path)}
+    with pytest.raises(DaemonRunning, match="4242"):
+        Supervisor(tmp_path).run()
+    lock.close()
+    assert api.daemon_status()["running"] is False
+
+
+def test_resume_rewinds_to_a_checkpoint_whose_steps_are_all_recorded(api, tmp_path):
+    """The engine saves checkpoint S before it reports step S-1: a kill in between must not leave a hole."""
+    from daemon.worker import rewind_to_recorded
+    run = api.create_run(FAST)["id"]
+    root = tmp_path / "checkpoints"
+    for step in (5, 10):
+        (root / f"step-{step:06d}").mkdir(parents=True)
+        (root / f"step-{step:06d}" / "state.pt").write_bytes(b"")
+    (root / "latest").write_text("step-000010")
+    sink = DbSink(api.engine, run, new_attempt(api, run), flush_every=0.05)
+    for step in range(9):  # steps 0..8 recorded; step 9's metrics were lost with the process
+        sink.metrics(step, {"reward_mean": 0.0, "version": step + 1})
+    sink.close()
+
+    rewind_to_recorded(api.engine, run, root)
+    assert (root / "latest").read_text() == "step-000005"
+
+    sink = DbSink(api.engine, run, new_attempt(api, run, 2), flush_every=0.05)
+    sink.metrics(9, {"reward_mean": 0.0, "version": 10})
+    sink.close()
+    (root / "latest").write_text("step-000010")
+    rewind_to_recorded(api.engine, run, root)
+    assert (root / "latest").read_text() == "step-000010", "all of 0..9 recorded: resume from step 10"
