@@ -31,7 +31,7 @@ class ModelConfig(_Strict):
 
 
 class LoopConfig(_Strict):
-    steps: int = Field(200, gt=0, description="optimizer steps (policy versions) to train")
+    steps: int = Field(400, gt=0, description="trainer steps (optimizer steps, policy versions) to train")
     groups_per_step: int = Field(16, gt=0, description="prompts per batch")
     group_size: int = Field(8, gt=0, description="episodes sampled per prompt")
     max_staleness: int = Field(0, ge=0, description="max policy versions between sampling and training; 0 = on-policy")
