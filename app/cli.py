@@ -1,9 +1,18 @@
-"""The `molt` command line: `molt train` runs the engine headless in this terminal."""
+"""The `molt` command line: `molt serve` (the dashboard with its daemon), `molt train` (headless, no server),
+`molt daemon` and `molt web` (the two halves of serve, for production), `molt runs ...` (the REST API, for CI)."""
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+# `molt runs create --wait` / `molt runs wait`: the exit status says how the run ended
+EXIT_CODES = {"completed": 0, "failed": 1, "tripped": 3, "stopped": 4}
+EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_TIMEOUT = 2, 5, 124
 
 
 def main(argv=None):
@@ -23,8 +32,314 @@ def main(argv=None):
                    help="continue from the latest checkpoint in --out (its saved config is used unless --config)")
     t.set_defaults(func=cmd_train)
 
+    s = commands.add_parser("serve", help="the dashboard and its daemon in one command (migrates the database, "
+                                          "prints the URL to open; Ctrl-C stops both)")
+    web_options(s)
+    s.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
+    s.add_argument("--stop-grace", type=float, default=60.0,
+                   help="on Ctrl-C, seconds the running workers get to checkpoint and stop (default 60)")
+    s.set_defaults(func=cmd_serve)
+
+    w = commands.add_parser("web", help="only the web app and REST API (run `molt daemon` beside it)")
+    web_options(w)
+    w.set_defaults(func=cmd_web)
+
+    # `molt daemon ...` hands its arguments to the daemon's own parser (molt daemon --help lists them)
+    d = commands.add_parser("daemon", help="only the daemon that runs and supervises queued runs", add_help=False)
+    d.add_argument("daemon_args", nargs=argparse.REMAINDER, help="see `molt daemon --help`")
+
+    r = commands.add_parser("runs", help="create, watch and control runs through the REST API (for CI)",
+                            description="Talks to a running `molt serve`/`molt web`. Exit status of create --wait "
+                                        "and wait: 0 completed, 1 failed, 3 tripped, 4 stopped, 124 timed out, "
+                                        "2 invalid input, 5 server unreachable or token refused.")
+    r.add_argument("--url", default=os.environ.get("MOLT_URL", "http://127.0.0.1:8000"),
+                   help="the server (default $MOLT_URL, else http://127.0.0.1:8000)")
+    r.add_argument("--token", default=None,
+                   help="default $MOLT_TOKEN, else the token file of the local data directory ($MOLT_HOME or ./var)")
+    rc = r.add_subparsers(dest="runs_command", required=True)
+    c = rc.add_parser("create", help="queue a run from a JSON config")
+    c.add_argument("--config", type=Path, required=True, help="a run config (or a request body with a config key)")
+    c.add_argument("--name")
+    c.add_argument("--tag", action="append", default=None, help="repeatable")
+    c.add_argument("--max-restarts", type=int)
+    c.add_argument("--wait", action="store_true", help="wait until the run ends; the exit status says how")
+    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
+    lst = rc.add_parser("list", help="runs, newest first")
+    lst.add_argument("--status", action="append")
+    lst.add_argument("--tag")
+    lst.add_argument("--json", action="store_true")
+    for name, text in [("get", "a run as JSON"), ("stop", "stop a run (it checkpoints first)"),
+                       ("resume", "continue a stopped, failed or tripped run from its latest checkpoint")]:
+        sub = rc.add_parser(name, help=text)
+        sub.add_argument("id", type=int)
+    wt = rc.add_parser("wait", help="wait until a run ends; the exit status says how")
+    wt.add_argument("id", type=int)
+    wt.add_argument("--timeout", type=float)
+    m = rc.add_parser("metrics", help="a run's metrics as JSON (or CSV)")
+    m.add_argument("id", type=int)
+    m.add_argument("--names", help="comma-separated")
+    m.add_argument("--max-points", type=int, help="min/max-bucketed to this many points per series")
+    m.add_argument("--csv", action="store_true", help="every value, as CSV")
+    r.set_defaults(func=cmd_runs)
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["daemon"]:  # argparse's REMAINDER would swallow `--help` itself
+        sys.exit(__import__("daemon").cli_main(argv[1:]))
     args = parser.parse_args(argv)
     sys.exit(args.func(args))
+
+
+def web_options(p):
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else ./var)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--webhook-url", default=os.environ.get("MOLT_WEBHOOK_URL"),
+                   help="POST every alert as JSON here (Slack-compatible `text`; default $MOLT_WEBHOOK_URL)")
+    p.add_argument("--public-url", default=os.environ.get("MOLT_PUBLIC_URL"),
+                   help="the address users open, for links in webhook posts (default $MOLT_PUBLIC_URL)")
+
+
+# ---- serve / web / daemon ---------------------------------------------------------------------------------------------
+
+def cmd_serve(args) -> int:
+    from daemon.api import Api
+    records = Api(args.home)  # applies the migrations before anything else touches the database
+    print(f"molt serve: data directory {records.home}", flush=True)
+    resume_interrupted(records)
+    daemon_proc = start_daemon(records.home, args)
+    try:
+        serve_web(records.home, args)
+    finally:
+        shutdown(records, daemon_proc, args.stop_grace)
+    return 0
+
+
+def cmd_web(args) -> int:
+    from daemon.api import Api
+    home = Api(args.home).home
+    if not Api(home, migrate=False).daemon_status()["running"]:
+        print("molt web: no daemon owns this data directory yet: queued runs wait until `molt daemon` runs",
+              file=sys.stderr)
+    serve_web(home, args)
+    return 0
+
+
+def start_daemon(home: Path, args) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "daemon", "--home", str(home), "--concurrency", str(args.concurrency)]
+    # its own session: a Ctrl-C in this terminal must reach only us, so that we stop the runs in order
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    print(f"molt serve: daemon started (pid {proc.pid})", flush=True)
+    return proc
+
+
+def serve_web(home: Path, args):
+    """uvicorn in this thread until Ctrl-C or SIGTERM; the URL with the token is printed once it listens."""
+    import uvicorn
+
+    from .auth import load_or_create_token
+    from .main import create_app
+    token = load_or_create_token(home)
+    app = create_app(home, token, webhook_url=args.webhook_url, public_url=args.public_url)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           ws_ping_interval=20, timeout_graceful_shutdown=3))
+
+    def announce():
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        host = f"[{host}]" if ":" in host else host
+        print(f"\nMolt Studio is ready: http://{host}:{port}/?token={token}\n"
+              f"(REST API docs: http://{host}:{port}/docs; Ctrl-C stops)\n", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    # uvicorn turns Ctrl-C and SIGTERM into a graceful shutdown, then re-raises the signal to the handler that was
+    # there before. A no-op handler there lets serve() return normally, so that `molt serve` can stop the runs
+    # (with the default handlers SIGTERM would kill the process, and asyncio would log a KeyboardInterrupt).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+INTERRUPTED = "interrupted.json"   # runs `molt serve` stopped on exit: the next `molt serve` resumes them
+
+
+def shutdown(records, daemon_proc: subprocess.Popen, grace: float):
+    """Stop the active runs (each worker checkpoints), wait for them, then stop the daemon. A second Ctrl-C skips
+    the wait: the workers then keep running and the next daemon adopts them."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from now on a second Ctrl-C cuts the wait short
+        signal.signal(sig, _interrupt)
+    try:
+        if daemon_proc.poll() is None:
+            active = [r for r in records.list_runs(status=["running", "restarting"])]
+            if active:
+                ids = [r["id"] for r in active]
+                print(f"molt serve: stopping run(s) {', '.join(map(str, ids))}: checkpointing "
+                      f"(Ctrl-C again to leave them running)", flush=True)
+                for run_id in ids:
+                    try:
+                        records.stop_run(run_id)
+                    except ValueError:  # it ended meanwhile
+                        pass
+                (records.home / INTERRUPTED).write_text(json.dumps(ids))
+                deadline = time.monotonic() + grace
+                while time.monotonic() < deadline and daemon_proc.poll() is None:
+                    if all(records.get_run(i)["status"] not in ("running", "restarting", "stopping") for i in ids):
+                        break
+                    time.sleep(0.2)
+                for run_id in ids:
+                    print(f"molt serve: run {run_id} {records.get_run(run_id)['status']}", flush=True)
+    except KeyboardInterrupt:
+        print("molt serve: not waiting for the runs; the next daemon adopts their workers", flush=True)
+    finally:
+        if daemon_proc.poll() is None:
+            daemon_proc.send_signal(signal.SIGTERM)
+            try:
+                daemon_proc.wait(15)
+            except subprocess.TimeoutExpired:
+                daemon_proc.kill()
+                daemon_proc.wait()
+        print("molt serve: stopped", flush=True)
+
+
+def resume_interrupted(records):
+    path = records.home / INTERRUPTED
+    if not path.exists():
+        return
+    for run_id in json.loads(path.read_text() or "[]"):
+        try:
+            if records.get_run(run_id)["status"] == "stopped":
+                records.resume_run(run_id)
+                print(f"molt serve: resuming run {run_id}, stopped when molt serve last exited", flush=True)
+        except (KeyError, ValueError):
+            pass
+    path.unlink()
+
+
+# ---- runs (REST client) -----------------------------------------------------------------------------------------------
+
+def cmd_runs(args) -> int:
+    import httpx
+    token = args.token or os.environ.get("MOLT_TOKEN") or local_token()
+    if not token:
+        print("molt runs: no token: pass --token, set MOLT_TOKEN, or run where the data directory is",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE
+    client = httpx.Client(base_url=args.url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    try:
+        return RUNS_COMMANDS[args.runs_command](client, args)
+    except httpx.HTTPError as e:
+        print(f"molt runs: cannot reach {args.url}: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ApiError as e:
+        print(f"molt runs: {e}", file=sys.stderr)
+        return e.code
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def local_token() -> str | None:
+    from daemon.db import data_home
+    path = data_home() / "token"
+    return path.read_text().strip() if path.exists() else None
+
+
+def call(client, method: str, path: str, **kwargs):
+    response = client.request(method, path, **kwargs)
+    if response.is_success:
+        return response
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = response.text
+    if isinstance(detail, list):  # validation errors, each naming its field
+        detail = "invalid input:\n  " + "\n  ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:] or e['loc'])}: {e['msg']}" for e in detail)
+    code = EXIT_BAD_INPUT if response.status_code in (400, 404, 409, 422) else EXIT_UNREACHABLE
+    raise ApiError(f"{response.status_code}: {detail}", code)
+
+
+def runs_create(client, args) -> int:
+    body = json.loads(args.config.read_text())
+    if not (isinstance(body, dict) and "config" in body and "env" not in body):
+        body = {"config": body}
+    for key, value in [("name", args.name), ("tags", args.tag), ("max_restarts", args.max_restarts)]:
+        if value is not None:
+            body[key] = value
+    run = call(client, "POST", "/api/v1/runs", json=body).json()
+    print(f"run {run['id']} queued: {run['name']}", file=sys.stderr)
+    if not args.wait:
+        print(json.dumps(run, indent=1))
+        return 0
+    return wait_for(client, run["id"], args.timeout)
+
+
+def wait_for(client, run_id: int, timeout: float | None) -> int:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    last = None
+    while True:
+        chunk = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
+        run = call(client, "GET", f"/api/v1/runs/{run_id}/wait", params={"timeout": chunk}).json()
+        if (run["status"], run["step"]) != last:
+            last = (run["status"], run["step"])
+            print(f"run {run_id}: {run['status']}, step {run['step']}/{run['total_steps']}", file=sys.stderr)
+        if run["status"] in EXIT_CODES:
+            print(json.dumps(run, indent=1))
+            if run["last_error"] and run["status"] != "completed":
+                print(f"run {run_id} {run['status']}: {run['last_error']}", file=sys.stderr)
+            return EXIT_CODES[run["status"]]
+        if deadline is not None and time.monotonic() >= deadline:
+            print(f"run {run_id}: still {run['status']} after {timeout:g}s", file=sys.stderr)
+            return EXIT_TIMEOUT
+
+
+def runs_list(client, args) -> int:
+    params = [("status", s) for s in args.status or []] + ([("tag", args.tag)] if args.tag else [])
+    runs = call(client, "GET", "/api/v1/runs", params=params).json()
+    if args.json:
+        print(json.dumps(runs, indent=1))
+        return 0
+    print(f"{'id':>5}  {'status':<10} {'step':>11}  {'reward':>7}  {'restarts':>8}  {'alerts':>6}  name")
+    for r in runs:
+        reward = "" if r["reward"] is None else f"{float(r['reward']):.3f}"
+        print(f"{r['id']:>5}  {r['status']:<10} {str(r['step']) + '/' + str(r['total_steps']):>11}  {reward:>7}  "
+              f"{r['restarts']:>8}  {r['alerts_open']:>6}  {r['name']}")
+    return 0
+
+
+def runs_metrics(client, args) -> int:
+    if args.csv:
+        sys.stdout.write(call(client, "GET", f"/api/v1/runs/{args.id}/metrics.csv").text)
+        return 0
+    params = {k: v for k, v in [("names", args.names), ("max_points", args.max_points)] if v is not None}
+    print(json.dumps(call(client, "GET", f"/api/v1/runs/{args.id}/metrics", params=params).json(), indent=1))
+    return 0
+
+
+def _print(response) -> int:
+    print(json.dumps(response.json(), indent=1))
+    return 0
+
+
+RUNS_COMMANDS = {
+    "create": runs_create,
+    "list": runs_list,
+    "get": lambda client, a: _print(call(client, "GET", f"/api/v1/runs/{a.id}")),
+    "stop": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/stop")),
+    "resume": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/resume")),
+    "wait": lambda client, a: wait_for(client, a.id, a.timeout),
+    "metrics": runs_metrics,
+}
 
 
 def cmd_train(args) -> int:

@@ -56,14 +56,8 @@ def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def token_logprobs(model, batch, temperature: float, *, with_entropy=False):
-    """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]), optionally the entropy."""
+def token_logprobs(model, batch, temperature: float):
+    """Log-probs of the targets under `model` at the sampling temperature ([B, T-1])."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return logp
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)

@@ -209,7 +209,7 @@ class Run:
         obs = await _env_call(env.reset(seed))
         ep = Episode(seed=seed, group=group, images=list(obs.images))
         ep.extend(self.encode(obs.text))
-        info = {"turns": 0, "tool_calls": 0, "truncated": True}
+        info = {"turns": 0, "tool_calls": 0, "truncated": True, "entropy": 0.0}
         limit = self.model.config.max_position_embeddings
         for turn in range(env.max_turns):
             if len(ep.token_ids) + env.max_tokens > limit:
@@ -217,6 +217,7 @@ class Run:
             req = await self.sampler.generate(ep.token_ids, env.max_tokens, greedy=greedy,
                                               seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
             ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions)
+            info["entropy"] += req.entropy
             text = self.tokenizer.decode(req.ids[:-1] if req.ids[-1] == self.eos_id else req.ids)
             if drill and drill.random() < self.cfg.drills.env_error_rate:
                 raise _EnvError("drill: injected env error (drills.env_error_rate)")
@@ -382,17 +383,24 @@ class Run:
             adv = torch.cat([advantages(torch.tensor([[e.reward for e in g]]), algo.estimator)[0] for g in groups])
         else:  # batch-level baseline: the whole batch is one "group"
             adv = advantages(torch.tensor([[e.reward for e in episodes]]), algo.estimator)[0]
-        batch = collate(episodes, self.pad_id)
+        # Episodes with advantage 0 add exactly 0 to the policy gradient: leave them out of the forward and backward
+        # (the bulk of a step once most groups are solved), keeping the token-mean over the whole batch's tokens.
+        # The KL term is nonzero everywhere, so with it on, every episode is trained.
+        keep = [i for i, a in enumerate(adv.tolist()) if a != 0 or algo.kl_coef > 0] or list(range(len(episodes)))
+        batch = collate([episodes[i] for i in keep], self.pad_id)
         mask = batch["action_mask"]
-        logp, entropy = token_logprobs(self.model, batch, self.cfg.loop.temperature, with_entropy=True)
+        logp = token_logprobs(self.model, batch, self.cfg.loop.temperature)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
                 ref_logp = token_logprobs(self.reference, batch, self.cfg.loop.temperature)
         loss, stats = policy_loss(
-            logp, logp.detach(), batch["behav_logp"], adv, mask, loss=algo.loss, clip_low=algo.clip_low,
-            clip_high=algo.clip_high, is_level=algo.is_level, is_mode=algo.is_mode, is_low=algo.is_low,
-            is_high=algo.is_high, kl_coef=algo.kl_coef, ref_logp=ref_logp, kl_estimator=algo.kl_estimator)
+            logp, logp.detach(), batch["behav_logp"], adv[keep], mask,
+            loss=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, is_level=algo.is_level,
+            is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, kl_coef=algo.kl_coef, ref_logp=ref_logp,
+            kl_estimator=algo.kl_estimator)
+        action_tokens = sum(e.n_actions for e in episodes)
+        loss = loss * (int(mask.sum()) / max(action_tokens, 1))
         if self.step in self.cfg.drills.nan_at:
             loss = loss * math.nan
         self.optimizer.zero_grad(set_to_none=True)
@@ -418,13 +426,14 @@ class Run:
                 tripped, weights = True, None
         self.optimizer.zero_grad(set_to_none=True)
         rewards = torch.tensor([e.reward for e in episodes])
-        staleness = (self.version - batch["versions"])[mask].float()
+        staleness = torch.tensor([self.version - v for e in episodes for v, a in zip(e.versions, e.is_action) if a],
+                                 dtype=torch.float32)
         metrics = {
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
             "pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
             "policy_loss": loss.item(), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-            "entropy": float(masked_mean(entropy, mask)),
-            "response_length": sum(e.n_actions for e in episodes) / len(episodes),
+            "entropy": sum(e.info["entropy"] for e in episodes) / max(action_tokens, 1),
+            "response_length": action_tokens / len(episodes), "trained_fraction": len(keep) / len(episodes),
             "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
             "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
             "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),

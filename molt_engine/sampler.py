@@ -19,6 +19,7 @@ class Request:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    entropy: float = 0.0          # summed over the generated tokens: the behaviour policy's entropy
 
 
 class Sampler:
@@ -102,10 +103,12 @@ class Sampler:
         greedy = torch.tensor([req.greedy for req in rows])
         tokens = torch.where(greedy, logp.argmax(-1), (logp - torch.log(-torch.log(uniform))).argmax(-1))
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
-        for req, token, lp in zip(rows, tokens.tolist(), chosen.tolist()):
+        entropy = torch.special.entr(logp.exp()).sum(-1)
+        for req, token, lp, h in zip(rows, tokens.tolist(), chosen.tolist(), entropy.tolist()):
             req.ids.append(token)
             req.logprobs.append(lp)
             req.versions.append(self.version)
+            req.entropy += h
         self.stats["tokens"] += len(rows)
 
     def _prefill(self, seqs: list[list[int]]):

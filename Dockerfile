@@ -1,0 +1,39 @@
+# Molt Studio: `molt serve` (web app + daemon) on port 8000, data in the /data volume.
+#   docker build -t molt .                                    # CPU torch (default)
+#   docker build -t molt-cuda --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .   # CUDA torch
+#   docker run -p 8000:8000 -v molt-data:/data -e MOLT_TOKEN=... molt     (then run with --gpus all for CUDA)
+# Without MOLT_TOKEN a token is generated into /data/token and printed in the log with the URL to open.
+# Stopping checkpoints the running worker first: give it time (docker stop -t 60).
+FROM python:3.11-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    TQDM_DISABLE=1 \
+    MOLT_HOME=/data
+
+RUN useradd --create-home --uid 1000 molt \
+    && mkdir /data && chown molt:molt /data
+
+WORKDIR /app
+# torch first, from the index the build arg names: its own layer, reused when only the code changes
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+
+COPY pyproject.toml README.md alembic.ini ./
+COPY molt_engine ./molt_engine
+COPY daemon ./daemon
+COPY app ./app
+COPY migrations ./migrations
+# editable: the daemon finds migrations/ beside its package and starts workers from this directory
+RUN pip install --no-cache-dir -e .
+
+USER 1000:1000
+VOLUME ["/data"]
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/api/v1/health', timeout=4)"]
+CMD ["molt", "serve", "--host", "0.0.0.0", "--port", "8000"]

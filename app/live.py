@@ -1,0 +1,255 @@
+"""Live updates: one poller per app reads what was recorded since its last look and fans it out to websockets and
+to the alert webhook.
+
+Why one poller: its cost does not grow with the number of viewers. Every POLL_S it reads the rows newer than its
+cursors (metric, alert and event ids: rowid range scans, microseconds when nothing is new) and the status of the
+watched runs; each message is serialized once and queued to every viewer of that run.
+
+A resumed or rolled-back run records again the steps after its checkpoint: those rows are updated in place (their
+ids do not change), so for such a run the poller also watches that step range by time until the replay has caught
+up."""
+import asyncio
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from sqlalchemy.engine import Engine
+
+from .series import NONFINITE_NAMES, REPLAY_EVENTS, metric_names
+
+log = logging.getLogger("molt.app")
+POLL_S = 0.1
+QUEUE_MAX = 2000          # messages a slow viewer may lag behind before it is disconnected (it then reconnects)
+RUN_FIELDS = ("id", "name", "status", "step", "total_steps", "version", "reward", "restarts", "pid", "last_error",
+              "started_at", "finished_at")
+OVERFLOW = object()
+REPLAY_WATCH_S = 3600     # give up watching a replay that never catches up (e.g. the run was stopped meanwhile)
+
+
+def dumps(message: dict) -> str:
+    return json.dumps(_finite(message), separators=(",", ":"))
+
+
+def _finite(v):
+    """JSON has no NaN/infinity: the strings "NaN", "Infinity", "-Infinity" stand for them (see series.py)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return NONFINITE_NAMES[str(v)]
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+class Hub:
+    def __init__(self, engine: Engine, home: Path, webhook_url: str | None = None, public_url: str | None = None,
+                 poll: float = POLL_S):
+        self.engine, self.home, self.poll = engine, Path(home), poll
+        self.webhook_url, self.public_url = webhook_url, (public_url or "").rstrip("/")
+        self.viewers: dict[int, set[asyncio.Queue]] = {}
+        self.last_status: dict[int, dict] = {}
+        self.cursor = {"metric": 0, "alert": 0, "event": 0}
+        self.replays: dict[int, dict] = {}   # run id -> {"after", "until", "since", "started"}: see the docstring
+        self.snapshot = asyncio.Event()      # set (and replaced) each time a poll fixes the set of watched runs
+        self.webhook_queue: asyncio.Queue = asyncio.Queue()
+        self.webhook_sent = 0                # posts that got a 2xx (tests and /api/v1/health read it)
+        self.polls = 0
+
+    # ---- viewers --------------------------------------------------------------------------------------------------
+
+    @contextmanager
+    def subscribe(self, run_id: int):
+        """A queue of JSON texts about the run (OVERFLOW when the viewer fell too far behind). Subscribe before
+        reading the backfill: a row committed in between then arrives twice (clients merge by step and id), never
+        zero times."""
+        queue: asyncio.Queue = asyncio.Queue(QUEUE_MAX)
+        self.viewers.setdefault(run_id, set()).add(queue)
+        try:
+            yield queue
+        finally:
+            self.viewers[run_id].discard(queue)
+            if not self.viewers[run_id]:
+                del self.viewers[run_id]
+                self.last_status.pop(run_id, None)
+
+    async def watching(self):
+        """Returns once a poll has started that includes the runs subscribed so far. A viewer reads its backfill
+        only after this: the polls before it skipped the run's rows, but those were committed before this
+        returns, so the backfill has them."""
+        try:
+            await asyncio.wait_for(self.snapshot.wait(), 2.0)
+        except asyncio.TimeoutError:  # no poller running (an app without lifespan): nothing to wait for
+            pass
+
+    def publish(self, run_id: int, message: dict):
+        text = dumps(message)
+        for queue in list(self.viewers.get(run_id, ())):
+            try:
+                queue.put_nowait(text)
+            except asyncio.QueueFull:
+                while not queue.empty():  # make room for the marker: the viewer reconnects and backfills
+                    queue.get_nowait()
+                queue.put_nowait(OVERFLOW)
+
+    # ---- the poller -----------------------------------------------------------------------------------------------
+
+    async def run(self):
+        await asyncio.to_thread(self._start_cursors)
+        sender = asyncio.create_task(self._send_webhooks()) if self.webhook_url else None
+        try:
+            while True:
+                started = time.monotonic()
+                watched = set(self.viewers)
+                self.snapshot.set()
+                self.snapshot = asyncio.Event()
+                try:
+                    self._dispatch(await asyncio.to_thread(self._read, watched))
+                except Exception:  # a busy or migrating database: try again next poll, never die of it
+                    log.exception("live update poll failed")
+                self.polls += 1
+                await asyncio.sleep(max(0.0, self.poll - (time.monotonic() - started)))
+        finally:
+            if sender:
+                sender.cancel()
+
+    def _start_cursors(self):
+        with self.engine.connect() as c:
+            for table in self.cursor:
+                self.cursor[table] = c.exec_driver_sql(f"SELECT coalesce(max(id), 0) FROM {table}").scalar()
+        saved = self._webhook_cursor_path()
+        if self.webhook_url and saved.exists():
+            # alerts recorded while no app was running are still posted (the newest 100 at most)
+            self.cursor["alert"] = max(int(saved.read_text() or 0), self.cursor["alert"] - 100)
+
+    def _read(self, watched: set[int]) -> dict:
+        with self.engine.connect() as c:
+            # only the watched runs' rows are read; for the others the cursor just moves (max(id) is one seek)
+            newest = c.exec_driver_sql("SELECT coalesce(max(id), 0) FROM metric").scalar()
+            metrics = []
+            if watched and newest > self.cursor["metric"]:
+                marks = ",".join("?" * len(watched))
+                cursor = c.connection.cursor()  # plain tuples: a burst of rows is converted fast
+                metrics = cursor.execute(f"SELECT id, run_id, name, step, value, time FROM metric WHERE id > ? "
+                                         f"AND id <= ? AND run_id IN ({marks}) ORDER BY id",
+                                         (self.cursor["metric"], newest, *watched)).fetchall()
+                cursor.close()
+            alerts = c.exec_driver_sql("SELECT id, run_id, time, step, kind, message, data, acknowledged "
+                                       "FROM alert WHERE id > ? ORDER BY id", (self.cursor["alert"],)).fetchall()
+            events = c.exec_driver_sql("SELECT id, run_id, time, step, kind, source, message, data FROM event "
+                                       "WHERE id > ? ORDER BY id", (self.cursor["event"],)).fetchall()
+            replayed = self._read_replays(c, watched, events)
+            runs = {}
+            if watched:
+                marks = ",".join("?" * len(watched))
+                open_alerts = dict(c.exec_driver_sql(
+                    f"SELECT run_id, count(*) FROM alert WHERE NOT acknowledged AND run_id IN ({marks}) "
+                    "GROUP BY run_id", tuple(watched)).fetchall())
+                for row in c.exec_driver_sql(f"SELECT {', '.join(RUN_FIELDS)} FROM run WHERE id IN ({marks})",
+                                             tuple(watched)).mappings():
+                    runs[row["id"]] = {**row, "alerts_open": open_alerts.get(row["id"], 0)}
+        return {"metrics": metrics + replayed, "newest_metric": newest, "alerts": alerts, "events": events,
+                "runs": runs}
+
+    def _read_replays(self, c, watched: set[int], events) -> list:
+        """Rows rewritten in place since the last poll, for watched runs that resumed or rolled back."""
+        for _, run_id, t, step, kind, _, _, data in events:
+            if kind in REPLAY_EVENTS:
+                data = _json(data) or {}
+                start = step if step is not None else data.get("step")
+                until = c.exec_driver_sql("SELECT max(step) FROM metric WHERE run_id = ? AND name = 'reward_mean'",
+                                          (run_id,)).scalar()
+                if start is not None and until is not None and until > start:
+                    self.replays[run_id] = {"after": start - 1, "until": until, "since": t, "started": time.time()}
+        rows = []
+        for run_id, replay in list(self.replays.items()):
+            if time.time() - replay["started"] > REPLAY_WATCH_S:
+                del self.replays[run_id]
+                continue
+            if run_id not in watched:
+                continue
+            found = []
+            for name in metric_names(c, run_id):  # one index range per name: (run_id, name, step)
+                found += c.exec_driver_sql(
+                    "SELECT id, run_id, name, step, value, time FROM metric WHERE run_id = ? AND name = ? "
+                    "AND step > ? AND step <= ? AND time > ?",
+                    (run_id, name, replay["after"], replay["until"], replay["since"])).fetchall()
+            if found:
+                replay["since"] = max(r[5] for r in found)
+                if any(r[3] >= replay["until"] for r in found):
+                    del self.replays[run_id]  # caught up: later steps are new rows, which the id cursor sees
+            rows += found
+        return rows
+
+    def _dispatch(self, batch: dict):
+        self.cursor["metric"] = max(self.cursor["metric"], batch["newest_metric"])
+        if batch["metrics"]:
+            by_run: dict[int, dict] = {}
+            for _, run_id, name, step, value, t in batch["metrics"]:
+                if run_id in self.viewers:
+                    s = by_run.setdefault(run_id, {}).setdefault(name, {"step": [], "value": [], "time": []})
+                    s["step"].append(step)
+                    s["value"].append(math.nan if value is None else value)
+                    s["time"].append(t)
+            for run_id, series in by_run.items():
+                self.publish(run_id, {"type": "metrics", "series": series})
+        for row in batch["alerts"]:
+            self.cursor["alert"] = row[0]
+            alert = alert_dict(row)
+            self.publish(alert["run_id"], {"type": "alert", "alert": alert})
+            if self.webhook_url:
+                self.webhook_queue.put_nowait(alert)
+        for row in batch["events"]:
+            self.cursor["event"] = row[0]
+            event = dict(zip(("id", "run_id", "time", "step", "kind", "source", "message", "data"), row))
+            event["data"] = _json(event["data"])
+            self.publish(event["run_id"], {"type": "event", "event": event})
+        for run_id, run in batch["runs"].items():
+            if self.last_status.get(run_id) != run:
+                self.last_status[run_id] = run
+                self.publish(run_id, {"type": "status", "run": run})
+
+    # ---- the webhook ----------------------------------------------------------------------------------------------
+
+    def _webhook_cursor_path(self) -> Path:
+        return self.home / "webhook.cursor"
+
+    async def _send_webhooks(self):
+        async with httpx.AsyncClient(timeout=10) as client:
+            while True:
+                alert = await self.webhook_queue.get()
+                payload = await asyncio.to_thread(self.webhook_payload, alert)
+                for attempt in range(4):
+                    try:
+                        response = await client.post(self.webhook_url, json=payload)
+                        if response.is_success:
+                            self.webhook_sent += 1
+                            break
+                        log.warning("webhook answered %d for alert %d", response.status_code, alert["id"])
+                    except httpx.HTTPError as e:
+                        log.warning("webhook failed for alert %d: %s", alert["id"], e)
+                    await asyncio.sleep(2 ** attempt)
+                self._webhook_cursor_path().write_text(str(alert["id"]))
+
+    def webhook_payload(self, alert: dict) -> dict:
+        """Slack-compatible (its incoming webhooks read `text`), with the structured alert beside it."""
+        with self.engine.connect() as c:
+            name = c.exec_driver_sql("SELECT name FROM run WHERE id = ?", (alert["run_id"],)).scalar()
+        link = f" {self.public_url}/runs/{alert['run_id']}" if self.public_url else ""
+        step = f" at step {alert['step']}" if alert.get("step") is not None else ""
+        return {"text": f"Molt Studio: {alert['kind']} alert on run {alert['run_id']} ({name}){step}: "
+                        f"{alert['message']}{link}",
+                "run": {"id": alert["run_id"], "name": name}, "alert": _finite(alert)}
+
+
+def alert_dict(row) -> dict:
+    alert = dict(zip(("id", "run_id", "time", "step", "kind", "message", "data", "acknowledged"), row))
+    alert["data"], alert["acknowledged"] = _json(alert["data"]), bool(alert["acknowledged"])
+    return alert
+
+
+def _json(value):
+    return json.loads(value) if isinstance(value, str) else value

@@ -1,0 +1,135 @@
+"""The FastAPI application: `create_app(home, token)` wires the REST API, the pages, the websocket and the poller."""
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from daemon.api import Api, RunNotFound
+
+from . import pages, rest
+from .auth import Auth, load_or_create_token, same_origin
+from .live import OVERFLOW, Hub, dumps
+from .series import SeriesCache
+
+STATIC = Path(__file__).resolve().parent / "static"
+BACKFILL_POINTS = 2000   # per series, when a viewer connects: the chart's width in pixels is about that
+log = logging.getLogger("molt.app")
+
+
+def create_app(home: str | Path | None = None, token: str | None = None, *, webhook_url: str | None = None,
+               public_url: str | None = None, poll: float | None = None) -> FastAPI:
+    """The app over the data directory `home` (migrated on start). `token`: default $MOLT_TOKEN, else the one
+    saved in the data directory (created on first start)."""
+    records = Api(home)
+    token = token or load_or_create_token(records.home)
+    hub = Hub(records.engine, records.home, webhook_url=webhook_url, public_url=public_url,
+              **({"poll": poll} if poll else {}))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(hub.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    # docs_url=None: FastAPI's /docs loads Swagger UI from a CDN; ours serves the vendored copy (below)
+    app = FastAPI(title="Molt Studio", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="REST API of Molt Studio. Authenticate with `Authorization: Bearer <token>`; the "
+                              "token is printed by `molt serve` and kept in the data directory's `token` file.")
+    app.state.api, app.state.auth, app.state.hub = records, Auth(token), hub
+    app.state.series = SeriesCache(records.engine)
+    app.state.webhook_url = webhook_url
+
+    @app.exception_handler(RunNotFound)
+    async def not_found(request: Request, exc: RunNotFound):
+        return JSONResponse({"detail": f"not found: {exc.args[0]}"}, status_code=404)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        # FastAPI's shape ({"detail": [{"loc", "msg", "type"}]}), minus the echoed input (it may be huge), and
+        # 400 rather than 422 for a body that is not JSON at all
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"].removeprefix("Value error, "), "type": e["type"]}
+                  for e in exc.errors()]
+        status = 400 if any(e["type"] == "json_invalid" for e in errors) else 422
+        if not request.url.path.startswith("/api/"):
+            return await pages.invalid_page(request, errors, status)
+        return JSONResponse({"detail": errors}, status_code=status)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Molt Studio API",
+                                   swagger_js_url="/static/vendor/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/vendor/swagger-ui.css",
+                                   swagger_favicon_url="/static/vendor/favicon.png")
+
+    app.include_router(rest.router)
+    app.include_router(pages.router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.websocket("/ws/runs/{run_id}")
+    async def run_updates(ws: WebSocket, run_id: int, after_step: int = -1, max_points: int = BACKFILL_POINTS):
+        """On connect: the run's status, its metrics after `after_step` (min/max-bucketed to `max_points` per
+        series), its alerts and recent events; then every new record as it is committed. JSON messages
+        {"type": "status"|"metrics"|"alert"|"ack"|"event"|"backfilled", ...}."""
+        method = app.state.auth.method(ws)
+        # A cookie comes with any page's request: only our own pages may use it (cross-site websocket hijacking)
+        if method is None or (method == "cookie" and not same_origin(ws)):
+            await ws.close(code=1008)  # before accept: the handshake is answered 403
+            return
+        await ws.accept()
+        try:
+            with hub.subscribe(run_id) as queue:
+                await hub.watching()
+                try:
+                    backfill = await asyncio.to_thread(read_backfill, app, run_id, after_step,
+                                                       max(10, min(max_points, 100_000)))
+                except RunNotFound:
+                    await ws.send_text(dumps({"type": "error", "detail": f"no run {run_id}"}))
+                    await ws.close(code=4404)
+                    return
+                for message in backfill:
+                    await ws.send_text(dumps(message))
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(_pump(ws, queue))
+                    tasks.create_task(_drain(ws))
+        except* (WebSocketDisconnect, _Overflow):  # a tab closed, or a viewer too slow: it reconnects and backfills
+            pass
+
+    return app
+
+
+class _Overflow(Exception):
+    pass
+
+
+async def _pump(ws: WebSocket, queue: asyncio.Queue):
+    while True:
+        text = await queue.get()
+        if text is OVERFLOW:
+            await ws.close(code=1013)  # "try again later"
+            raise _Overflow
+        await ws.send_text(text)
+
+
+async def _drain(ws: WebSocket):
+    """Read (and ignore) what the client sends: the only way to notice a closed tab while no message goes out."""
+    while True:
+        await ws.receive_text()
+
+
+def read_backfill(app: FastAPI, run_id: int, after_step: int, max_points: int) -> list[dict]:
+    records = app.state.api
+    run = records.get_run(run_id)
+    metrics = rest.metric_series(app.state.series, run_id, None, after_step, max_points)
+    return [{"type": "status", "run": run},
+            {"type": "metrics", "series": metrics["series"], "backfill": True},
+            {"type": "alerts", "alerts": records.alerts(run_id)},
+            {"type": "events", "events": records.events(run_id)[-50:]},
+            {"type": "backfilled", "after_step": after_step}]

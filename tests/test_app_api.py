@@ -1,0 +1,390 @@
+"""The REST API, auth and websockets against a real uvicorn and a real SQLite, without training (records are
+written through the daemon's own sink, as a worker writes them)."""
+import asyncio
+import json
+import math
+import re
+import time
+
+import fastapi.routing
+import httpx
+import pytest
+import websockets
+from fastapi.routing import APIRoute
+from starlette.routing import WebSocketRoute
+
+from app.auth import SESSION_COOKIE
+from app_support import FAST, WebhookReceiver, web_thread
+from conftest import wait_until
+from daemon.api import Api
+from daemon.models import Attempt
+from daemon.sink import DbSink
+from sqlmodel import Session
+
+TOKEN = "test-token-1234"
+
+
+@pytest.fixture(scope="module")
+def hook():
+    receiver = WebhookReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory, hook):
+    home = tmp_path_factory.mktemp("home")
+    with web_thread(home, TOKEN, webhook_url=hook.url, public_url="http://molt.example") as (base, app):
+        client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        yield {"base": base, "app": app, "client": client, "api": Api(home), "home": home}
+        client.close()
+
+
+def new_run(web, name=None, config=FAST) -> dict:
+    response = web["client"].post("/api/v1/runs", json={"config": config, **({"name": name} if name else {})})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def sink_for(web, run_id) -> DbSink:
+    """The daemon's database sink, as a worker of this run would hold it."""
+    api = web["api"]
+    with Session(api.engine) as s:
+        attempt = Attempt(run_id=run_id, number=len(api.attempts(run_id)) + 1)
+        s.add(attempt)
+        s.commit()
+        attempt_id = attempt.id
+    return DbSink(api.engine, run_id, attempt_id, flush_every=0.05)
+
+
+# ---- C. security ------------------------------------------------------------------------------------------------------
+
+def test_every_api_and_ws_route_rejects_a_missing_or_wrong_token(web):
+    run = new_run(web)
+    app, base = web["app"], web["base"]
+    routes = list(all_routes(app))
+    api_routes = [(path, methods) for path, methods, kind in routes
+                  if path.startswith("/api") and path != "/api/v1/health"]
+    ws_routes = [path for path, _, kind in routes if issubclass(kind, WebSocketRoute)]
+    # the enumeration itself must see the contract, or this test would pass vacuously
+    paths = {path for path, _ in api_routes}
+    assert {"/api/v1/runs", "/api/v1/runs/{run_id}", "/api/v1/runs/{run_id}/metrics", "/api/v1/envs",
+            "/api/v1/runs/{run_id}/stop", "/api/v1/runs/{run_id}/wait"} <= paths
+    assert ws_routes == ["/ws/runs/{run_id}"]
+    assert all(issubclass(kind, (APIRoute, WebSocketRoute)) for path, _, kind in routes
+               if path.startswith(("/api", "/ws"))), "a route kind this test does not check"
+
+    wrong = [{}, {"headers": {"Authorization": "Bearer wrong"}}, {"params": {"token": "wrong"}},
+             {"headers": {"Cookie": f"{SESSION_COOKIE}=forged"}}, {"headers": {"Authorization": f"Basic {TOKEN}"}}]
+    checked = 0
+    with httpx.Client(base_url=base, timeout=10) as anonymous:
+        for route_path, methods in api_routes:
+            path = route_path.replace("{run_id}", str(run["id"])).replace("{alert_id}", "1")
+            for method in methods:
+                for auth in wrong:
+                    response = anonymous.request(method, path, **auth)
+                    assert response.status_code == 401, (method, path, auth, response.status_code)
+                    checked += 1
+        assert anonymous.get("/api/v1/health").status_code == 200  # the one exception
+
+    async def ws_rejected(url, **kw):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+            async with websockets.connect(url, **kw):
+                pass
+        return e.value.response.status_code
+
+    ws_base = base.replace("http", "ws")
+    for route_path in ws_routes:
+        path = route_path.replace("{run_id}", str(run["id"]))
+        for kw in [{}, {"additional_headers": {"Authorization": "Bearer wrong"}},
+                   {"additional_headers": {"Cookie": f"{SESSION_COOKIE}=forged"}}]:
+            assert asyncio.run(ws_rejected(ws_base + path, **kw)) == 403
+        assert asyncio.run(ws_rejected(ws_base + path + "?token=wrong")) == 403
+        # and the right token gets in (so the rejections above are about the token)
+        assert asyncio.run(ws_first(ws_base + path + f"?token={TOKEN}"))["type"] == "status"
+    assert checked >= 5 * 14
+
+
+def all_routes(app):
+    """(path, methods, route class) of every route, included routers flattened (FastAPI >= 0.16 keeps them
+    nested as _IncludedRouter entries of app.routes)."""
+    iterate = getattr(fastapi.routing, "iter_route_contexts", None)
+    for context in (iterate(app.routes) if iterate else app.routes):
+        route = getattr(context, "route", context)
+        yield context.path, set(getattr(context, "methods", None) or ()), type(route)
+
+
+async def ws_first(url, **kw):
+    async with websockets.connect(url, **kw) as ws:
+        return json.loads(await ws.recv())
+
+
+def test_pages_redirect_to_login_and_the_login_sets_a_strict_httponly_cookie(web):
+    run = new_run(web)
+    with httpx.Client(base_url=web["base"], timeout=10) as browser:
+        for path in ["/", "/runs/new", f"/runs/{run['id']}", "/compare", f"/runs/{run['id']}/panels/alerts"]:
+            response = browser.get(path)
+            assert response.status_code == 303 and response.headers["location"].startswith("/login"), path
+        assert browser.post("/login", data={"token": "wrong"}).status_code == 401
+        response = browser.post("/login", data={"token": TOKEN, "next": "//evil.example/x"})
+        assert response.status_code == 303 and response.headers["location"] == "/"  # no open redirect
+        cookie = response.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and TOKEN.lower() not in cookie
+        assert browser.get("/").status_code == 200
+        # the printed URL: ?token= swaps itself for the cookie and leaves the address bar
+        fresh = httpx.Client(base_url=web["base"], timeout=10)
+        response = fresh.get(f"/runs/{run['id']}?x=time&token={TOKEN}")
+        assert response.status_code == 303 and response.headers["location"] == f"/runs/{run['id']}?x=time"
+        assert fresh.get(response.headers["location"]).status_code == 200
+
+
+def logged_in(web) -> tuple[httpx.Client, str]:
+    browser = httpx.Client(base_url=web["base"], timeout=10)
+    browser.post("/login", data={"token": TOKEN})
+    page = browser.get("/runs/new").text
+    csrf = page.split('name="csrf_token" value="')[1].split('"')[0]
+    return browser, csrf
+
+
+def test_a_cross_site_form_post_is_rejected(web):
+    browser, csrf = logged_in(web)
+    form = {"env": "max_digit", "preset": "tiny-dense", "steps": "7", "name": "csrf-probe"}
+    before = len(web["api"].list_runs())
+    # another site's page posting our form: the browser would send its Origin and (with SameSite=Lax) the cookie
+    assert browser.post("/runs/new", data={**form, "csrf_token": csrf},
+                        headers={"Origin": "https://evil.example"}).status_code == 403
+    assert browser.post("/runs/new", data=form).status_code == 403                       # no CSRF token
+    assert browser.post("/runs/new", data={**form, "csrf_token": "0" * 64}).status_code == 403
+    assert browser.post("/api/v1/runs", json={"config": FAST}).status_code == 403        # cookie alone, JSON API
+    assert browser.post("/login", data={"token": TOKEN}, headers={"Origin": "https://evil.example"}).status_code == 403
+    assert len(web["api"].list_runs()) == before
+    # the same form from our own page goes through
+    response = browser.post("/runs/new", data={**form, "csrf_token": csrf}, headers={"Origin": web["base"]})
+    assert response.status_code == 303, response.text
+    assert web["api"].list_runs()[0]["name"] == "csrf-probe"
+
+
+def test_a_script_in_a_run_name_renders_escaped(web):
+    evil = "<script>alert(1)</script>"
+    run = new_run(web, name=evil)
+    sink = sink_for(web, run["id"])
+    sink.alert("breaker", evil, step=1)
+    sink.close()
+    browser, _ = logged_in(web)
+    for path in ["/", f"/runs/{run['id']}", f"/compare?ids={run['id']}", f"/runs/{run['id']}/panels/alerts",
+                 f"/runs/new?clone={run['id']}", "/partials/runs"]:
+        html = browser.get(path).text
+        assert evil not in html, path
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in browser.get(f"/runs/{run['id']}").text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in browser.get(f"/runs/{run['id']}/panels/alerts").text
+
+
+# ---- D. bad input -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, field", [
+    ({"config": {"env": "max_digit", "loop": {"steps": 0}}}, ["body", "config", "loop", "steps"]),
+    ({"config": {"env": "no_such_env"}}, ["body", "config", "env"]),
+    ({"config": {"env": "max_digit", "model": {"preset": "huge"}}}, ["body", "config", "model", "preset"]),
+    ({"config": {"env": "max_digit", "lop": {}}}, ["body", "config", "lop"]),
+    ({"config": {"env": "max_digit", "algo": {"lr": False}}}, ["body", "config", "algo", "lr"]),
+    ({"config": {"env": "max_digit"}, "tags": [""]}, ["body", "tags", 0]),
+    ({"config": {"env": "max_digit"}, "max_restarts": -1}, ["body", "max_restarts"]),
+    ({"config": {"env": "max_digit"}, "nmae": "x"}, ["body", "nmae"]),
+    ({}, ["body", "config"]),
+])
+def test_invalid_input_is_a_422_naming_the_field(web, body, field):
+    response = web["client"].post("/api/v1/runs", json=body)
+    assert response.status_code == 422, response.text
+    assert field in [e["loc"] for e in response.json()["detail"]], response.json()
+
+
+def test_malformed_json_is_a_400_and_unknown_ids_are_404(web):
+    response = web["client"].post("/api/v1/runs", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    for path in ["", "/metrics", "/metrics.csv", "/alerts", "/events", "/attempts", "/checkpoints", "/log",
+                 "/wait?timeout=0"]:
+        assert web["client"].get(f"/api/v1/runs/999999{path}").status_code == 404, path
+    for action in ["stop", "resume", "alerts/1/ack"]:
+        assert web["client"].post(f"/api/v1/runs/999999/{action}").status_code == 404, action
+    assert web["client"].get("/api/v1/runs", params={"status": "bogus"}).status_code == 422
+    assert web["client"].get("/api/v1/runs/abc").status_code == 422
+
+
+def test_stop_and_resume_answer_202_and_409_when_the_status_forbids(web):
+    run = new_run(web)
+    response = web["client"].post(f"/api/v1/runs/{run['id']}/stop")
+    assert response.status_code == 202 and response.json()["status"] == "stopped"  # queued: stops at once
+    response = web["client"].post(f"/api/v1/runs/{run['id']}/resume")
+    assert response.status_code == 202 and response.json()["status"] == "queued"
+    web["client"].post(f"/api/v1/runs/{run['id']}/stop")
+    with Session(web["api"].engine) as s:  # a completed run cannot be resumed
+        from daemon.db import set_run
+        set_run(s, run["id"], None, status="completed")
+        s.commit()
+    assert web["client"].post(f"/api/v1/runs/{run['id']}/resume").status_code == 409
+    started = time.monotonic()
+    assert web["client"].get(f"/api/v1/runs/{run['id']}/wait", params={"timeout": 20}).json()["status"] == "completed"
+    assert time.monotonic() - started < 5  # a terminal run answers at once
+
+
+# ---- metrics: downsampling that keeps spikes, NaN and infinity ------------------------------------------------------
+
+def test_metrics_downsampling_keeps_spikes_nan_and_inf_and_the_csv_has_everything(web):
+    run = new_run(web)
+    sink = sink_for(web, run["id"])
+    n = 5000
+    for step in range(n):
+        value = 1.0 + (step % 7) * 0.01
+        value = {1234: 500.0, 2345: math.nan, 3456: math.inf, 4567: -math.inf}.get(step, value)
+        sink.metrics(step, {"grad_norm": value, "reward_mean": step / n})
+    sink.close()
+    client = web["client"]
+    full = client.get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "grad_norm"}).json()
+    assert len(full["series"]["grad_norm"]["step"]) == n and not full["downsampled"]
+    assert set(full["names"]) == {"grad_norm", "reward_mean"}
+
+    small = client.get(f"/api/v1/runs/{run['id']}/metrics", params={"max_points": 100}).json()
+    assert small["downsampled"]
+    g = small["series"]["grad_norm"]
+    assert len(g["step"]) <= 100 and g["step"] == sorted(g["step"])
+    values = dict(zip(g["step"], g["value"]))
+    assert values[1234] == 500.0 and values[2345] == "NaN" and values[3456] == "Infinity"
+    assert values[4567] == "-Infinity"
+    assert min(v for v in g["value"] if isinstance(v, float)) == 1.0
+    r = small["series"]["reward_mean"]
+    assert r["step"][0] == 0 and r["step"][-1] == n - 1  # the ends of the range are kept
+
+    later = client.get(f"/api/v1/runs/{run['id']}/metrics", params={"after_step": n - 11, "names": "reward_mean"})
+    assert later.json()["series"]["reward_mean"]["step"] == list(range(n - 10, n))
+
+    csv = client.get(f"/api/v1/runs/{run['id']}/metrics.csv")
+    assert csv.headers["content-type"].startswith("text/csv")
+    lines = csv.text.splitlines()
+    assert lines[0] == "step,name,value,time" and len(lines) == 1 + 2 * n
+    assert any(line.startswith("2345,grad_norm,nan,") for line in lines)
+    assert any(line.startswith("3456,grad_norm,inf,") for line in lines)
+
+
+# ---- websocket: backfill, then push ---------------------------------------------------------------------------------
+
+def test_websocket_backfills_then_pushes_metrics_alerts_and_status(web):
+    run = new_run(web)
+    sink = sink_for(web, run["id"])
+    for step in range(5):
+        sink.metrics(step, {"reward_mean": step / 10, "version": float(step)})
+    sink.close()
+    wait_until(lambda: len(web["api"].metrics(run["id"], names=["reward_mean"])) == 5, 10)
+    url = web["base"].replace("http", "ws") + f"/ws/runs/{run['id']}?after_step=1"
+
+    async def scenario():
+        async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+            got = []
+            while not got or got[-1]["type"] != "backfilled":
+                got.append(json.loads(await ws.recv()))
+            backfill = {m["type"]: m for m in got}
+            assert backfill["status"]["run"]["id"] == run["id"]
+            assert backfill["metrics"]["series"]["reward_mean"]["step"] == [2, 3, 4]  # after_step=1
+            live = sink_for(web, run["id"])
+            sent = time.time()
+            live.metrics(5, {"reward_mean": 0.5, "version": 5.0})
+            live.alert("breaker", "step 5: grad norm 1e3 above threshold 10", step=5)
+            # rows committed just before the subscription may come again live (clients merge by step): wait for
+            # the new ones
+            wanted = {"metrics": lambda m: 5 in m["series"]["reward_mean"]["step"],
+                      "alert": lambda m: m["alert"]["kind"] == "breaker",
+                      "status": lambda m: m["run"]["step"] == 6 and m["run"]["alerts_open"] == 1}
+            seen = {}
+            while set(seen) != set(wanted):
+                message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                if message["type"] in wanted and wanted[message["type"]](message):
+                    seen.setdefault(message["type"], time.time() - sent)
+            live.close()
+            return seen
+
+    seen = asyncio.run(scenario())
+    assert seen["metrics"] < 2.0  # generous here: bench/app_latency.py measures the real figure
+
+
+def test_unknown_run_closes_the_websocket_with_4404(web):
+    async def scenario():
+        url = web["base"].replace("http", "ws") + f"/ws/runs/999999?token={TOKEN}"
+        async with websockets.connect(url) as ws:
+            message = json.loads(await ws.recv())
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as e:
+                await ws.recv()
+            return message, e.value.rcvd.code
+    message, code = asyncio.run(scenario())
+    assert message["type"] == "error" and code == 4404
+
+
+# ---- alerts: acknowledge, webhook -----------------------------------------------------------------------------------
+
+def test_alert_webhook_posts_slack_compatible_json_and_acknowledging_clears_the_count(web, hook):
+    run = new_run(web, name="hooked")
+    sink = sink_for(web, run["id"])
+    sink.alert("staleness", "step 7: staleness_max 5 above 4", step=7)
+    sink.close()
+    post = wait_until(lambda: [p for p in hook.received if p["body"]["alert"]["run_id"] == run["id"]], 10)[0]
+    assert post["content_type"] == "application/json"
+    assert "staleness" in post["body"]["text"] and "hooked" in post["body"]["text"]
+    assert f"http://molt.example/runs/{run['id']}" in post["body"]["text"]
+    client = web["client"]
+    assert client.get(f"/api/v1/runs/{run['id']}").json()["alerts_open"] == 1
+    alert = client.get(f"/api/v1/runs/{run['id']}/alerts").json()[0]
+    assert client.post(f"/api/v1/runs/{run['id']}/alerts/{alert['id']}/ack").json()["acknowledged"] is True
+    assert client.get(f"/api/v1/runs/{run['id']}").json()["alerts_open"] == 0
+    assert client.get(f"/api/v1/runs/{run['id']}/alerts", params={"unacknowledged": True}).json() == []
+
+
+def test_health_needs_no_token_and_envs_lists_the_builtins(web):
+    health = httpx.get(web["base"] + "/api/v1/health").json()
+    assert health["status"] == "ok" and health["daemon"]["running"] is False
+    names = [e["name"] for e in web["client"].get("/api/v1/envs").json()]
+    assert {"max_digit", "calculator", "guess_number"} <= set(names)
+    assert web["client"].get("/openapi.json").json()["paths"]["/api/v1/runs/{run_id}/metrics"]
+
+
+def test_a_resumed_run_rewriting_its_steps_pushes_the_new_values(web):
+    """After a resume the engine records again the steps after its checkpoint: the rows change in place (same ids),
+    which a viewer must still see, and the REST series must show the new values too."""
+    run = new_run(web)
+    first = sink_for(web, run["id"])
+    for step in range(10):
+        first.metrics(step, {"reward_mean": 0.0, "version": float(step)})
+    first.close()
+    before = web["client"].get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "reward_mean"}).json()
+    assert before["series"]["reward_mean"]["value"] == [0.0] * 10  # and now cached by the app
+    url = web["base"].replace("http", "ws") + f"/ws/runs/{run['id']}?token={TOKEN}&after_step=9"
+
+    async def scenario():
+        async with websockets.connect(url) as ws:
+            while json.loads(await ws.recv())["type"] != "backfilled":
+                pass
+            second = sink_for(web, run["id"])
+            second.event("resumed", "resumed from step-000005: step 5", step=5)
+            for step in range(5, 10):
+                second.metrics(step, {"reward_mean": 1.0, "version": float(step)})
+            second.close()
+            rewritten = {}
+            while len(rewritten) < 5:
+                message = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                if message["type"] == "metrics" and "reward_mean" in message["series"]:
+                    s = message["series"]["reward_mean"]
+                    rewritten.update({st: v for st, v in zip(s["step"], s["value"]) if v == 1.0})
+            return rewritten
+
+    assert asyncio.run(scenario()) == {step: 1.0 for step in range(5, 10)}
+    after = web["client"].get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "reward_mean"}).json()
+    assert after["series"]["reward_mean"]["value"] == [0.0] * 5 + [1.0] * 5
+
+
+def test_pages_load_nothing_from_other_hosts(web):
+    """Static assets are vendored: no page may pull a script, style or image from a CDN."""
+    run = new_run(web)
+    browser, _ = logged_in(web)
+    for path in ["/", "/runs/new", f"/runs/{run['id']}", f"/compare?ids={run['id']}", "/docs", "/login"]:
+        html = browser.get(path).text
+        external = re.findall(r"""(?:src|href)\s*=\s*["'](?:https?:)?//[^"']+""", html)
+        assert external == [], (path, external)
+        for asset in re.findall(r"""(?:src|href)\s*=\s*["'](/static/[^"']+)""", html):
+            assert browser.get(asset).status_code == 200, asset
