@@ -14,7 +14,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import WebSocketRoute
 
 from app.auth import SESSION_COOKIE
-from app_support import FAST, WebhookReceiver, web_thread
+from app_support import FAST, hook, web_thread  # noqa: F401 (hook is a fixture)
 from conftest import wait_until
 from daemon.api import Api
 from daemon.models import Attempt
@@ -22,13 +22,6 @@ from daemon.sink import DbSink
 from sqlmodel import Session
 
 TOKEN = "test-token-1234"
-
-
-@pytest.fixture(scope="module")
-def hook():
-    receiver = WebhookReceiver()
-    yield receiver
-    receiver.close()
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from molt_engine import EnvFailure, NullSink, RunConfig, train
 from molt_engine import checkpoint
 from molt_engine.breaker import Breaker
 from molt_engine.sampler import Sampler
+from conftest import wait_until
 
 FAST = {"env": "max_digit", "loop": {"groups_per_step": 4, "group_size": 4, "eval_every": 0},
         "warm_start": {"steps": 5}}
@@ -52,13 +53,6 @@ class Recorder(NullSink):
 
 def final_weights(out):
     return AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 # ---- checkpoint and resume ------------------------------------------------------------------------------------------
@@ -107,9 +101,9 @@ def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
     proc = molt_train(out, "--config", str(cfg_file))
     for i in range(kills):
         before = checkpoint.latest(root)
-        wait_until(lambda: checkpoint.latest(root) != before, 120, "a new checkpoint")
+        wait_until(lambda: checkpoint.latest(root) != before, 120, 0.05, "a new checkpoint")
         if i % 2:  # half the kills land while a checkpoint is being written
-            wait_until(lambda: any(root.glob(".tmp-step-*")) or proc.poll() is not None, 60, "a checkpoint write")
+            wait_until(lambda: any(root.glob(".tmp-step-*")) or proc.poll() is not None, 60, 0.01, "a checkpoint write")
         else:
             time.sleep(rng.uniform(0, 0.5))  # a random moment of training
         proc.send_signal(signal.SIGKILL)
@@ -167,7 +161,7 @@ def slow_trainer_with_old_groups(monkeypatch, at_step):
     def update(self, groups):
         if self.step == at_step:
             wait_until(lambda: any(min(e.oldest_version for e in g) < self.version for g in list(self.buffer)),
-                       60, "old episodes in the buffer")
+                       60, 0.02, "old episodes in the buffer")
         return real_update(self, groups)
     monkeypatch.setattr(loop_mod.Run, "update", update)
 

@@ -14,7 +14,7 @@ if not shutil.which("chromium") and not Path("/usr/bin/chromium").exists():
 
 from playwright.sync_api import expect  # noqa: E402
 
-from app_support import ROOT, TRIPS, WebhookReceiver, serve  # noqa: E402
+from app_support import ROOT, TRIPS, hook, serve  # noqa: E402,F401 (hook is a fixture)
 from conftest import wait_until  # noqa: E402
 
 ARTIFACTS = ROOT / "test-artifacts"
@@ -26,13 +26,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 def browser_type_launch_args(browser_type_launch_args):
     # pytest-playwright cannot find the system browser by itself, and its own download host is unreachable
     return {**browser_type_launch_args, "executable_path": "/usr/bin/chromium", "args": CHROMIUM_ARGS}
-
-
-@pytest.fixture(scope="module")
-def hook():
-    receiver = WebhookReceiver()
-    yield receiver
-    receiver.close()
 
 
 @pytest.fixture(scope="module")
