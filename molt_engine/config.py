@@ -78,7 +78,7 @@ class CheckpointConfig(_Strict):
 
 
 class BreakerConfig(_Strict):
-    factor: float = Field(10.0, gt=1, description="trip when the grad norm exceeds factor x the rolling median")
+    factor: float = Field(25.0, gt=1, description="trip when the grad norm exceeds factor x the rolling median")
     window: int = Field(50, gt=0, description="healthy steps in the rolling median")
     min_history: int = Field(10, gt=0, description="healthy steps needed before the median rule applies")
     abs_max: float | None = Field(None, gt=0, description="trip above this grad norm regardless of history")
