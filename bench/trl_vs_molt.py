@@ -267,8 +267,7 @@ def part2(args) -> list[str]:
     seed = args.seeds[0]
     results = {}
     with tempfile.TemporaryDirectory() as model_dir:
-        # Warm start without latency: the demonstrations are identical (latency only sleeps), and the engine awaits
-        # demonstration episodes one by one, so with latency it would take minutes. It is not timed either way.
+        # Warm start without latency: the demonstrations are identical (latency only sleeps). It is not timed.
         log(f"part 2, seed {seed}: warm start")
         warm_started_policy("calculator", seed, model_dir, args.warm_steps)
         for staleness in (0, 2):

@@ -5,8 +5,8 @@ from collections import deque
 
 
 class Breaker:
-    """Trips on a non-finite norm, on a norm above `factor` x the median of recent healthy steps, or above an
-    absolute cap. The trainer acts on a trip (skip, force sync, cool down, roll back); this only keeps the books."""
+    """Trips on a non-finite norm, on a norm above `factor` x the median of recent healthy steps (but never below
+    `floor`), or above an absolute cap. The trainer acts on a trip (skip, force sync, cool down, roll back); this only keeps the books."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -18,7 +18,7 @@ class Breaker:
     def threshold(self) -> float:
         limit = self.cfg.abs_max or math.inf
         if len(self.healthy) >= self.cfg.min_history:
-            limit = min(limit, self.cfg.factor * statistics.median(self.healthy))
+            limit = min(limit, max(self.cfg.floor, self.cfg.factor * statistics.median(self.healthy)))
         return limit
 
     def check(self, step: int, norm: float) -> bool:

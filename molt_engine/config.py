@@ -81,6 +81,8 @@ class BreakerConfig(_Strict):
     factor: float = Field(25.0, gt=1, description="trip when the grad norm exceeds factor x the rolling median")
     window: int = Field(50, gt=0, description="healthy steps in the rolling median")
     min_history: int = Field(10, gt=0, description="healthy steps needed before the median rule applies")
+    floor: float = Field(10.0, ge=0, description="never trip below this norm: late in training, when most groups "
+                         "are solved, the median gets tiny and healthy steps vary 20x and more around it")
     abs_max: float | None = Field(None, gt=0, description="trip above this grad norm regardless of history")
     cooldown: int = Field(3, ge=0, description="healthy steps of strict on-policy admission after a trip")
     max_trips: int = Field(3, gt=0, description="trips within trip_window that trigger a rollback")

@@ -139,7 +139,7 @@ def test_sigterm_checkpoints_and_exits_zero_within_10s(tmp_path):
 # ---- the breaker ----------------------------------------------------------------------------------------------------
 
 def test_breaker_rules():
-    b = Breaker(RunConfig.model_validate({"env": "max_digit", "breaker": {"factor": 3, "min_history": 3,
+    b = Breaker(RunConfig.model_validate({"env": "max_digit", "breaker": {"factor": 3, "min_history": 3, "floor": 0,
                                                                           "cooldown": 2}}).breaker)
     assert b.threshold() == math.inf
     assert not b.check(0, 0.0) and len(b.healthy) == 0        # no signal: not a sample of healthy scale
@@ -152,6 +152,9 @@ def test_breaker_rules():
     assert b.recent_trips(7) == 3
     capped = Breaker(RunConfig.model_validate({"env": "max_digit", "breaker": {"abs_max": 5}}).breaker)
     assert capped.check(0, 5.5) and not capped.check(1, 4.0)
+    floored = Breaker(RunConfig.model_validate({"env": "max_digit", "breaker": {"min_history": 2}}).breaker)
+    assert not floored.check(0, 0.01) and not floored.check(1, 0.02)
+    assert floored.threshold() == 10.0 and not floored.check(2, 9.0) and floored.check(3, 11.0)  # 25 x 0.015 < floor
 
 
 def slow_trainer_with_old_groups(monkeypatch, at_step):
