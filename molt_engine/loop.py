@@ -88,6 +88,7 @@ class Run:
         self.alerting: set[str] = set()          # alert kinds above threshold now: alert once per crossing
         self.recent_stale: deque = deque(maxlen=cfg.alerts.window)  # (dropped, trained) per step
         self.best: tuple[float, int] | None = None  # (eval reward, step) of the best checkpoint
+        self.saved_at: int | None = None         # step of the newest checkpoint written or restored
         self.ckpt_dir = self.out_dir / "checkpoints" if self.out_dir else None
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
         self.recent_env_errors = deque(maxlen=cfg.loop.env_error_window)
@@ -272,7 +273,7 @@ class Run:
                     self.sampler.publish(weights, version)
                 self.changed.notify_all()
         if self.stopping:
-            if self.ckpt_dir and self.step > 0 and not self.just_saved():
+            if self.ckpt_dir and self.step > 0 and self.saved_at != self.step:
                 await self.save_checkpoint(self.version)
             self.sink.event("stopped", f"stopped at step {self.step}; resume continues from here", step=self.step)
             self.summary.update(status="stopped", step=self.step, version=self.version)
@@ -506,9 +507,6 @@ class Run:
         self.saved_at = self.step
         self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
                              seconds=time.perf_counter() - t0)
-
-    def just_saved(self) -> bool:
-        return getattr(self, "saved_at", None) == self.step
 
     def restore(self, path: Path):
         state = checkpoint.load(path, self.model, self.reference)
