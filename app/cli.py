@@ -408,9 +408,6 @@ class ProgressSink:
     def checkpoint(self, step, path, **info):
         pass
 
-    def heartbeat(self):
-        pass
-
 
 if __name__ == "__main__":
     main()

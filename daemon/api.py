@@ -6,7 +6,7 @@ from pathlib import Path
 from sqlalchemy import func, select, text
 from sqlmodel import Session
 
-from .db import connect, data_home, lock_holder, run_dir, set_run
+from .db import add_event, connect, data_home, lock_holder, run_dir, set_run
 from .models import ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run, now
 
 
@@ -62,7 +62,7 @@ class Api:
             s.add(run)
             s.commit()
             s.refresh(run)
-            _event(s, run.id, "queued", f"run queued: {run.name}")
+            add_event(s, run.id, "queued", f"run queued: {run.name}")
             s.commit()
             return self._run_dict(s, run)
 
@@ -91,9 +91,9 @@ class Api:
         with Session(self.engine) as s:
             run = self._get(s, run_id)
             if set_run(s, run_id, ("queued",), status="stopped", finished_at=now()):
-                _event(s, run_id, "stopped", "stopped before it started")
+                add_event(s, run_id, "stopped", "stopped before it started")
             elif set_run(s, run_id, ("running", "restarting"), status="stopping"):
-                _event(s, run_id, "stop_requested", "stop requested")
+                add_event(s, run_id, "stop_requested", "stop requested")
             else:
                 s.refresh(run)
                 if run.status not in ("stopping", "stopped"):
@@ -108,7 +108,7 @@ class Api:
             run = self._get(s, run_id)
             if set_run(s, run_id, ("stopped", "failed", "tripped"), status="queued", retries=0, finished_at=None,
                        next_start_at=None):
-                _event(s, run_id, "resume_requested", "resume requested: continues from the latest checkpoint")
+                add_event(s, run_id, "resume_requested", "resume requested: continues from the latest checkpoint")
             else:
                 s.refresh(run)
                 if run.status in ("completed", "stopping"):
@@ -262,6 +262,3 @@ def _dict(row) -> dict:
     # getattr, not model_dump(): it loads attributes that a commit expired (model_dump would silently drop them)
     return {c.name: getattr(row, c.name) for c in row.__table__.columns}
 
-
-def _event(s: Session, run_id: int, kind: str, message: str, **data):
-    s.add(Event(run_id=run_id, kind=kind, source="daemon", message=message, data=data))

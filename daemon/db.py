@@ -9,7 +9,7 @@ from sqlalchemy import event, update
 from sqlalchemy.engine import Engine
 from sqlmodel import create_engine
 
-from .models import Run
+from .models import Event, Run
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_S = 30
@@ -131,3 +131,8 @@ def set_run(conn, run_id: int, only_if: tuple[str, ...] | None = None, **values)
     if only_if is not None:
         stmt = stmt.where(Run.status.in_(only_if))
     return conn.execute(stmt).rowcount == 1
+
+
+def add_event(session, run_id: int, kind: str, message: str, **data):
+    """A daemon-side event on the run's timeline (the session's commit writes it)."""
+    session.add(Event(run_id=run_id, kind=kind, source="daemon", message=message, data=data))

@@ -13,8 +13,8 @@ from typing import IO
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from .db import connect, data_home, hold_lock, lock_holder, run_dir, set_run
-from .models import ACTIVE, Alert, Attempt, Event, Run, now
+from .db import add_event, connect, data_home, hold_lock, lock_holder, run_dir, set_run
+from .models import ACTIVE, Alert, Attempt, Run, now
 from .sink import replay_spools
 from .worker import DUPLICATE
 
@@ -185,13 +185,13 @@ class Supervisor:
                         Alert.run_id == run_id, Alert.kind == "breaker").order_by(Alert.id.desc()).limit(1)) or cause
                 if set_run(s, run_id, (run.status,), status=status, pid=None, finished_at=t, next_start_at=None,
                            **extra):
-                    _event(s, run_id, status, f"attempt {n} ended: {cause}; run {status}", attempt=n)
+                    add_event(s, run_id, status, f"attempt {n} ended: {cause}; run {status}", attempt=n)
                     log.info("run %d: %s", run_id, status)
                     return
             elif not counted:
                 if set_run(s, run_id, (run.status,), status="restarting", pid=None, next_start_at=t,
                            restarts=run.restarts + 1):
-                    _event(s, run_id, "restarting", f"attempt {n} ended: {cause}; restarting now", attempt=n)
+                    add_event(s, run_id, "restarting", f"attempt {n} ended: {cause}; restarting now", attempt=n)
                     return
             elif retries <= run.max_restarts:
                 delay = min(self.backoff_max, self.backoff * 2 ** (retries - 1))
@@ -200,7 +200,7 @@ class Supervisor:
                     message = (f"attempt {n} died at step {attempt.end_step}: {cause}; restart {retries} of "
                                f"{run.max_restarts} in {delay:.1f}s from the latest checkpoint")
                     s.add(Alert(run_id=run_id, kind="worker", message=message, data={"attempt": n, "cause": cause}))
-                    _event(s, run_id, "restarting", message, attempt=n, delay=delay)
+                    add_event(s, run_id, "restarting", message, attempt=n, delay=delay)
                     log.warning("run %d: %s", run_id, message)
                     return
             else:
@@ -209,7 +209,7 @@ class Supervisor:
                     message = (f"attempt {n} died at step {attempt.end_step}: {cause}; {run.max_restarts} restarts "
                                f"without progress used up: run failed")
                     s.add(Alert(run_id=run_id, kind="worker", message=message, data={"attempt": n, "cause": cause}))
-                    _event(s, run_id, "failed", message, attempt=n)
+                    add_event(s, run_id, "failed", message, attempt=n)
                     log.error("run %d: %s", run_id, message)
                     return
 
@@ -250,7 +250,7 @@ class Supervisor:
         self.workers[run.id] = Worker(run.id, attempt.id, attempt.number, pid, attempt.started_at, proc=None)
         set_run(s, run.id, ("restarting",), status="running")
         s.execute(update(Run).where(Run.id == run.id).values(pid=pid))
-        _event(s, run.id, "adopted", f"daemon adopted the live worker of attempt {attempt.number} (pid {pid})",
+        add_event(s, run.id, "adopted", f"daemon adopted the live worker of attempt {attempt.number} (pid {pid})",
                attempt=attempt.number, pid=pid)
         s.commit()
         log.info("run %d: adopted live worker pid %d (attempt %d)", run.id, pid, attempt.number)
@@ -301,14 +301,11 @@ class Supervisor:
             return
         s.execute(update(Attempt).where(Attempt.id == attempt.id).values(pid=proc.pid))
         s.execute(update(Run).where(Run.id == run.id).values(pid=proc.pid))
-        _event(s, run.id, "attempt", f"attempt {number} started (pid {proc.pid})", attempt=number, pid=proc.pid)
+        add_event(s, run.id, "attempt", f"attempt {number} started (pid {proc.pid})", attempt=number, pid=proc.pid)
         s.commit()
         self.workers[run.id] = Worker(run.id, attempt.id, number, proc.pid, t, proc, logfile)
         log.info("run %d: attempt %d started, pid %d, log %s", run.id, number, proc.pid, log_path)
 
-
-def _event(s: Session, run_id: int, kind: str, message: str, **data):
-    s.add(Event(run_id=run_id, kind=kind, source="daemon", message=message, data=data))
 
 
 def cli_main(argv=None) -> int:

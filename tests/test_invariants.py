@@ -8,7 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import molt_engine.loop as loop_mod
-from molt_engine import Env, Observation, Result, register, train
+from molt_engine import Env, Observation, Result, train
 from molt_engine.envs import ENVS
 from molt_engine.episode import collate, token_logprobs
 from molt_engine.models import char_tokenizer, load_policy

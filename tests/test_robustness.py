@@ -1,7 +1,6 @@
 """Engine robustness (DESIGN §3): exact resume, kill -9 safety, SIGTERM, the gradient-norm breaker, alerts, drills."""
 import json
 import math
-import os
 import random
 import re
 import signal
