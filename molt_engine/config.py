@@ -58,6 +58,11 @@ class AlgoConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    # MoE policies only (ignored for dense ones)
+    routing_replay: bool = Field(True, description="MoE: the training forward uses the experts the sampler used")
+    router_aux_coef: float | None = Field(None, ge=0, description="MoE: weight of the load-balancing loss; "
+                                                                   "None = the model config's router_aux_loss_coef")
+    router_freeze: bool = Field(False, description="MoE: router weights get no update")
 
     @model_validator(mode="after")
     def _band(self):

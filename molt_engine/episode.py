@@ -7,22 +7,25 @@ import torch
 @dataclass
 class Episode:
     """Per token: the id, whether the policy generated it (trained) or not (prompt, env feedback), the behaviour
-    log-prob recorded at sampling time (0 for non-actions) and the policy version that produced it (-1 otherwise)."""
+    log-prob recorded at sampling time (0 for non-actions), the policy version that produced it (-1 otherwise) and, for
+    MoE policies, the experts ([layer][k] ids) that computed its logits at sampling time ([] otherwise)."""
     seed: int
     group: int
     token_ids: list[int] = field(default_factory=list)
     is_action: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    experts: list = field(default_factory=list)
     reward: float = 0.0
     images: list = field(default_factory=list)
     info: dict = field(default_factory=dict)  # turns, tool_calls, success, truncated
 
-    def extend(self, ids, *, action=False, logprobs=None, versions=None):
+    def extend(self, ids, *, action=False, logprobs=None, versions=None, experts=None):
         self.token_ids += ids
         self.is_action += [action] * len(ids)
         self.logprobs += logprobs if action else [0.0] * len(ids)
         self.versions += versions if action else [-1] * len(ids)
+        self.experts += experts if action and experts else [[]] * len(ids)
 
     @property
     def n_actions(self) -> int:
@@ -50,10 +53,19 @@ def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
         action[i, width - n:] = torch.tensor(e.is_action)
         behav[i, width - n:] = torch.tensor(e.logprobs, dtype=torch.float32)
         versions[i, width - n:] = torch.tensor(e.versions)
-    return {
+    batch = {
         "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
         "targets": ids[:, 1:], "action_mask": action[:, 1:], "behav_logp": behav[:, 1:], "versions": versions[:, 1:],
     }
+    recorded = [(i, j, x) for i, e in enumerate(episodes) for j, x in enumerate(e.experts) if x]
+    if recorded:
+        # MoE: the experts recorded for token j were chosen at input position j-1, whose logits predicted it.
+        layers, k = len(recorded[0][2]), len(recorded[0][2][0])
+        routes = torch.full((len(episodes), width, layers, k), -1, dtype=torch.long)
+        for i, j, x in recorded:
+            routes[i, width - len(episodes[i].token_ids) + j - 1] = torch.tensor(x)
+        batch["routes"] = routes
+    return batch
 
 
 def token_logprobs(model, batch, temperature: float):

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from . import checkpoint
 from .algo import GROUP_ESTIMATORS, advantages, masked_mean, policy_loss
@@ -22,7 +23,7 @@ from .breaker import Breaker
 from .config import RunConfig
 from .envs import make_env
 from .episode import Episode, collate, token_logprobs
-from .models import load_policy
+from .models import load_policy, routers, routing_stats
 from .sampler import Sampler
 
 EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
@@ -72,6 +73,9 @@ class Run:
         torch.set_num_threads(cfg.loop.threads)
         self.out_dir = Path(out_dir) if out_dir else None
         self.model, self.tokenizer = load_policy(cfg.model, cfg.seed)
+        if cfg.algo.router_freeze:  # no gradient, so neither AdamW nor weight decay ever touches them
+            for router in routers(self.model):
+                router.requires_grad_(False)
         self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.reference = None                    # frozen initial policy, only when the KL term is on
@@ -217,7 +221,7 @@ class Run:
                 break
             req = await self.sampler.generate(ep.token_ids, env.max_tokens, greedy=greedy,
                                               seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
-            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions)
+            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts)
             info["entropy"] += req.entropy
             text = self.tokenizer.decode(req.ids[:-1] if req.ids[-1] == self.eos_id else req.ids)
             if drill and drill.random() < self.cfg.drills.env_error_rate:
@@ -390,7 +394,17 @@ class Run:
         keep = [i for i, a in enumerate(adv.tolist()) if a != 0 or algo.kl_coef > 0] or list(range(len(episodes)))
         batch = collate([episodes[i] for i in keep], self.pad_id)
         mask = batch["action_mask"]
-        logp = token_logprobs(self.model, batch, self.cfg.loop.temperature)
+        moe = routers(self.model) if "routes" in batch else []
+        for l, router in enumerate(moe):  # without replay, all -1: every position routes freely
+            routes = batch["routes"][:, :, l].reshape(-1, router.top_k)
+            router.replay = routes if algo.routing_replay else torch.full_like(routes, -1)
+        try:
+            logp = token_logprobs(self.model, batch, self.cfg.loop.temperature)
+            aux, moe_metrics = routing_stats(self.model, batch["attention_mask"], batch["routes"],
+                                             F.pad(mask, (0, 1))) if moe else (0.0, {})
+        finally:
+            for router in moe:  # the logits hold the autograd graph: a model holding them can't be deep-copied
+                router.replay = router.logits = None
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
@@ -405,7 +419,8 @@ class Run:
         if self.step in self.cfg.drills.nan_at:
             loss = loss * math.nan
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        coef = algo.router_aux_coef if algo.router_aux_coef is not None else getattr(self.model.config, "router_aux_loss_coef", 0.0)
+        (loss + coef * aux).backward()
         if self.step in self.cfg.drills.spike_at:  # a random direction, so it spikes even a zero gradient
             params = [p for p in self.model.parameters() if p.grad is not None]
             noise = [torch.randn(p.shape, generator=torch.Generator().manual_seed(self.step + i)) for i, p in enumerate(params)]
@@ -439,7 +454,7 @@ class Run:
             "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
             "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
             "turns_mean": sum(e.info["turns"] for e in episodes) / len(episodes),
-            "breaker_tripped": float(tripped), **stats,
+            "breaker_tripped": float(tripped), **stats, **moe_metrics,
         }
         if math.isfinite(threshold):
             metrics["breaker_threshold"] = threshold

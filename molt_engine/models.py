@@ -1,9 +1,10 @@
 """Policies: built-in presets (random init from transformers config classes) with an offline char tokenizer, or a local HF directory."""
+import math
 import string
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 # Architectures only; sizes are chosen so that a CPU learns the built-in envs in minutes.
 PRESETS = {
@@ -11,6 +12,11 @@ PRESETS = {
         vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
         pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    # 8 experts, top-2, about 1.07M parameters; an expert is small, so a step costs about what tiny-dense costs.
+    "tiny-moe": lambda vocab: Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None),
 }
 
 
@@ -35,4 +41,58 @@ def load_policy(model_cfg, seed: int):
         model = AutoModelForCausalLM.from_config(PRESETS[model_cfg.preset](len(tokenizer)), dtype=torch.float32)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    for router in routers(model):
+        router.replay = None
+        router.register_forward_hook(_route)
     return model.train(), tokenizer
+
+
+# ---- MoE routing: what each router chose, and replaying a recorded choice ---------------------------------------------
+
+def routers(model) -> list:
+    """The top-k router of every MoE layer, in layer order; empty for a dense model. transformers' routers
+    (Qwen3-MoE, Mixtral, ...) all return (router_logits, top-k weights, top-k expert ids) per token row."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def _route(router, args, output):
+    """Forward hook: keep this forward's own top-k (`natural`) and the top-k actually used (`selected`). The trainer
+    sets `router.replay` (expert ids per token row, -1 = route freely) for its forward: there, recorded experts are
+    used instead, with weights from this forward's router logits (kept for the balance loss), so the router keeps
+    learning."""
+    logits, weights, index = output
+    router.natural = router.selected = index
+    if router.replay is None:
+        return None
+    router.logits = logits
+    index = torch.where(router.replay >= 0, router.replay, index)
+    weights = torch.softmax(logits.float(), dim=-1).gather(-1, index)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral always renormalises; Qwen3-MoE says so in its config
+        weights = weights / weights.sum(-1, keepdim=True)
+    router.selected = index
+    return logits, weights.to(logits.dtype), index
+
+
+def routing_stats(model, attention_mask, recorded, predicts_action) -> tuple[torch.Tensor, dict]:
+    """After a training forward of an MoE policy: the load-balancing aux loss and the routing metrics.
+    `recorded` [B, T, L, k] holds the sampler's expert ids per input position (-1 where none), `predicts_action`
+    [B, T] marks the positions whose logits give an action token."""
+    layers = routers(model)
+    real = attention_mask.reshape(-1).bool()
+    n_experts = layers[0].num_experts
+    aux, metrics, entropies = 0.0, {}, []
+    for l, router in enumerate(layers):
+        # Switch-Transformer balance loss: n_experts * sum_e (share of top-k slots on e) * (mean router prob of e)
+        share = torch.bincount(router.selected[real].flatten(), minlength=n_experts).float()
+        share = share / share.sum().clamp(min=1)
+        prob = torch.softmax(router.logits[real].float(), dim=-1).mean(0)
+        aux = aux + n_experts * (share * prob).sum() / len(layers)
+        entropies.append(float(torch.special.entr(share).sum()) / math.log(n_experts))
+        metrics.update({f"expert_share_l{l}_e{e}": float(v) for e, v in enumerate(share)})
+    # A token's routing differs when any layer's own top-k (as a set) differs from the one the sampler used.
+    natural = torch.stack([r.natural.view(*recorded.shape[:2], -1) for r in layers], 2).sort(-1).values
+    compared = predicts_action & (recorded[..., 0, 0] >= 0)
+    differs = (natural != recorded.sort(-1).values).any(-1).any(-1)
+    metrics.update(moe_aux_loss=aux.item(), moe_balance_entropy=sum(entropies) / len(entropies),
+                   routing_mismatch=float(differs[compared].float().mean()) if compared.any() else 0.0)
+    return aux, metrics

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .models import routers
+
 
 @dataclass
 class Request:
@@ -19,12 +21,14 @@ class Request:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    experts: list = field(default_factory=list)  # MoE: per token, the [layer][k] experts that computed its logits
     entropy: float = 0.0          # summed over the generated tokens: the behaviour policy's entropy
 
 
 class Sampler:
     def __init__(self, model, eos_id: int, pad_id: int, temperature: float, version: int = 0):
         self.model = model.eval()
+        self.routers = routers(model)
         self.eos_id, self.pad_id, self.temperature = eos_id, pad_id, temperature
         self.version = version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
@@ -81,7 +85,7 @@ class Sampler:
             out = self.model(input_ids=last, attention_mask=self.mask, position_ids=self.mask.sum(1, keepdim=True) - 1,
                              cache=self.cache, use_cache=True)
             self.cache = out.cache
-            self._sample(self.active, out.logits[:, -1])
+            self._sample(self.active, out.logits[:, -1], self._last_routes(len(self.active)))
         if joining:
             self._join(joining)
         self.stats["steps"] += 1
@@ -92,7 +96,13 @@ class Sampler:
             self._retire([i for i, d in enumerate(done) if not d])
         return finished
 
-    def _sample(self, rows: list[Request], logits: torch.Tensor):
+    def _last_routes(self, rows: int) -> list | None:
+        """MoE: the experts each row's last position went through in the forward just run ([rows][layers][k])."""
+        if not self.routers:
+            return None
+        return torch.stack([r.selected.view(rows, -1, r.top_k)[:, -1] for r in self.routers], 1).tolist()
+
+    def _sample(self, rows: list[Request], logits: torch.Tensor, routes: list | None):
         """Gumbel-max over the whole batch at once: argmax(logp + Gumbel noise) is a sample of softmax(logp), and
         each row's noise comes from its own request, so a sample never depends on the rest of the batch."""
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
@@ -109,6 +119,8 @@ class Sampler:
             req.logprobs.append(lp)
             req.versions.append(self.version)
             req.entropy += h
+        for req, route in zip(rows, routes or []):
+            req.experts.append(route)
         self.stats["tokens"] += len(rows)
 
     def _prefill(self, seqs: list[list[int]]):
@@ -123,7 +135,7 @@ class Sampler:
     def _join(self, reqs: list[Request]):
         """Prefill the new requests, sample their first token, merge their rows into the running cache."""
         cache, mask, logits = self._prefill([r.context for r in reqs])
-        self._sample(reqs, logits)
+        self._sample(reqs, logits, self._last_routes(len(reqs)))
         if not self.active:
             self.active, self.cache, self.mask = reqs, cache, mask
             return

@@ -174,3 +174,30 @@ def test_a_script_in_a_run_name_is_shown_as_text_and_never_runs(served, page):
     page.goto(served.base + f"/compare?ids={run['id']}")
     page.wait_for_load_state("networkidle")  # every image (onerror) and script has had its chance to run
     assert dialogs == []
+
+
+def test_a_moe_run_from_the_form_shows_expert_load_per_layer(served, page):
+    preset = "tiny-moe"
+    page.goto(served.url)
+    page.goto(served.base + "/runs/new")
+    form = page.locator("#launch-form")
+    form.locator("select[name=preset]").select_option(preset)
+    form.locator("input[name=name]").fill(f"{preset} from the form")
+    for field, value in [("steps", "6"), ("groups_per_step", "2"), ("group_size", "4"), ("warm_start", "5"),
+                         ("eval_every", "0")]:
+        form.locator(f"input[name={field}]").fill(value)
+    page.click("#launch-form button[type=submit]")
+    expect(page).to_have_url(re.compile(r"/runs/\d+$"))
+    run_id = int(page.url.rsplit("/", 1)[1])
+    assert served.client.get(f"/api/v1/runs/{run_id}").json()["config"]["model"]["preset"] == preset
+    expect(page.locator("#run-status")).to_have_text("completed", timeout=120_000)
+    # one expert-load chart per layer (4), each with a curve per expert (8), and the router chart
+    charts = page.locator("[id^=chart-experts-l]")
+    expect(charts).to_have_count(4)
+    for layer in range(4):
+        chart = page.locator(f"#chart-experts-l{layer}")
+        expect(chart).to_be_visible()
+        wait_until(lambda: chart.get_attribute("data-points") == "6", 20, message=f"6 points in layer {layer}")
+        assert chart.locator(".u-legend .u-series").count() >= 8
+    expect(page.locator("#chart-router")).to_be_visible()
+    screenshot(page, f"run-page-{preset}.png")

@@ -16,7 +16,8 @@ const Molt = (() => {
     {id: "throughput", title: "Throughput", lines: [{name: "samples_per_s"}, {name: "tokens_per_s", scale: "y2"}]},
     {id: "entropy", title: "Entropy", lines: [{name: "entropy"}]},
     {id: "length", title: "Response length", lines: [{name: "response_length"}]},
-    {id: "experts", title: "Expert load", prefix: "expert_"},
+    {id: "router", title: "MoE router: balance entropy, aux loss, routing mismatch",
+     lines: [{name: "moe_balance_entropy"}, {name: "moe_aux_loss", scale: "y2"}, {name: "routing_mismatch"}]},
   ];
   const COMPARE_METRICS = ["reward_mean", "eval_reward", "policy_loss", "grad_norm", "entropy", "response_length",
                            "staleness_mean", "mismatch_kl", "is_filter_ratio", "samples_per_s"];
@@ -212,6 +213,14 @@ const Molt = (() => {
     const conn = document.getElementById("conn");
 
     function draw() {
+      for (const name of Object.keys(store)) {  // MoE: one expert-load chart per layer, made when its data arrives
+        const layer = name.match(/^expert_share_l(\d+)_e\d+$/)?.[1];
+        if (layer !== undefined && !charts.some(({spec}) => spec.id === `experts-l${layer}`)) {
+          const spec = {id: `experts-l${layer}`, title: `Expert token share, layer ${layer}`,
+                        prefix: `expert_share_l${layer}_`};
+          charts.push({spec, chart: new Chart(container, spec.id, spec.title)});
+        }
+      }
       for (const {spec, chart} of charts) {
         let specLines = spec.lines || [];
         if (spec.prefix) specLines = Object.keys(store).filter((n) => n.startsWith(spec.prefix)).map((name) => ({name}));
