@@ -60,6 +60,8 @@ def test_routing_replay_trains_with_the_sampled_experts(routing):
     forced = sum(int(differs(s["natural"], s["recorded"]).sum()) for s in routing)
     assert forced > 0
     assert max(m["routing_mismatch"] for m in sink.steps) > 0
+    # on-policy (the first batch), the recomputed log-probs are the recorded ones
+    assert sink.steps[0]["staleness_max"] == 0 and sink.steps[0]["mismatch_abs"] <= 1e-5
 
 
 def test_without_replay_routing_mismatch_is_measured(routing):

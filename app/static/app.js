@@ -223,8 +223,11 @@ const Molt = (() => {
       }
       for (const {spec, chart} of charts) {
         let specLines = spec.lines || [];
-        if (spec.prefix) specLines = Object.keys(store).filter((n) => n.startsWith(spec.prefix)).map((name) => ({name}));
-        const lines = specLines.map((l, i) => ({label: l.name, color: COLORS[i % COLORS.length], series: store[l.name],
+        if (spec.prefix) {  // the legend names each line by what follows the prefix (the expert: e0, e1, ...)
+          specLines = Object.keys(store).filter((n) => n.startsWith(spec.prefix))
+            .map((name) => ({name, label: name.slice(spec.prefix.length)}));
+        }
+        const lines = specLines.map((l, i) => ({label: l.label || l.name, color: COLORS[i % COLORS.length], series: store[l.name],
                                                 dash: l.dash, scale: l.scale}));
         const markers = [];
         if (spec.trips && store[spec.trips]) {
