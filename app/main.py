@@ -4,6 +4,7 @@ import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -33,6 +34,13 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # One request through the app before it listens: the first request pays ~100 ms of one-time work (anyio's
+        # thread pool imports, FastAPI building its routes' validators, SQLAlchemy compiling the ORM queries), and
+        # that first request should be the user's metrics chart no more than any other. It reads no data (run 0),
+        # and whatever it meets (a busy database) must not stop the start.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://warm-up") as client:
+            await client.get("/api/v1/runs/0/metrics", headers={"Authorization": f"Bearer {token}"})
         task = asyncio.create_task(hub.run())
         try:
             yield

@@ -16,7 +16,7 @@ from daemon.api import Conflict, InvalidConfig, RunNotFound
 from daemon.models import STATUSES, TERMINAL
 from molt_engine import RunConfig
 
-from .series import downsample, encode_values
+from .series import encode_values
 
 # A metric value: a number, or one of the strings JSON needs for NaN and the infinities (see series.py).
 Number = Annotated[float, WithJsonSchema({"anyOf": [{"type": "number"},
@@ -277,9 +277,8 @@ def metric_series(cache, run_id: int, names: str | list[str] | None, after_step=
         names = [n.strip() for n in names.split(",") if n.strip()]
     series, reduced = {}, False
     for name in [n for n in (names or known) if n in known]:
-        full = cache.get(run_id, name)
-        part = downsample(full, after_step, max_points)
-        reduced |= max_points is not None and len(part) < len(downsample(full, after_step))
+        part, dropped = cache.downsampled(run_id, name, after_step, max_points)
+        reduced |= dropped
         series[name] = {"step": part.steps.tolist(), "value": encode_values(part.values),
                         "time": part.times.tolist()}
     return {"run_id": run_id, "names": known, "series": series, "downsampled": reduced}

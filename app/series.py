@@ -3,7 +3,11 @@
 Why a cache: SQLite needs ~0.5 s to scan a 1,000,000-point series (an index lookup per row), far above what a chart
 request may cost. A series is read once, then only its new steps (an index range scan), so a repeated request for a
 long series costs milliseconds. Rows of steps already cached only change when a run resumes or rolls back (the
-engine replays the steps after its checkpoint); such an event drops the run's cached series."""
+engine replays the steps after its checkpoint); such an event drops the run's cached series.
+
+A long downsampled series does not need that read: the series' summary (daemon.models.MetricBucket: per 64 or 512
+steps, the rows holding the min, the max and the first NaN) has the same spikes and NaN in 64 or 512 times fewer
+rows, so even the first request for it, with nothing cached, costs milliseconds."""
 import math
 import threading
 from collections import OrderedDict
@@ -11,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy.engine import Engine
+
+from daemon.models import BUCKET_SHIFTS
 
 REPLAY_EVENTS = ("resumed", "rollback")   # after these the engine rewrites steps that were already recorded
 NONFINITE_NAMES = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
@@ -61,6 +67,21 @@ class SeriesCache:
             self._evict()
             return cached
 
+    def downsampled(self, run_id: int, name: str, after_step: int | None = None,
+                    max_points: int | None = None) -> tuple[Series, bool]:
+        """downsample() of the series, and whether it dropped points. From the coarsest summary level whose extremes
+        still outnumber `max_points` (they are the series' own min, max and NaN rows, so the same spikes and NaN
+        survive), else (at most ~32 x max_points rows) from the full series."""
+        if max_points:
+            with self.engine.connect() as c:
+                for level in reversed(range(len(BUCKET_SHIFTS))):
+                    extremes = bucket_extremes(c, run_id, name, level, after_step, enough=max_points)
+                    if extremes is not None:
+                        return downsample(extremes, None, max_points), True
+        full = self.get(run_id, name)
+        part = downsample(full, after_step, max_points)
+        return part, len(part) < len(downsample(full, after_step))
+
     def drop_run(self, run_id: int):
         with self._lock:
             for key in [k for k in self._series if k[0] == run_id]:
@@ -80,6 +101,40 @@ def metric_names(conn, run_id: int) -> list[str]:
            "UNION ALL SELECT (SELECT min(name) FROM metric WHERE run_id = ?1 AND name > n.name) FROM n "
            "WHERE n.name IS NOT NULL) SELECT name FROM n WHERE name IS NOT NULL")
     return [r[0] for r in conn.exec_driver_sql(sql, (run_id,))]
+
+
+def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | None = None,
+                    enough: int = 0) -> Series | None:
+    """The steps after `after_step` that hold a minimum, a maximum or a first NaN of their bucket at summary `level`
+    (and every step of the bucket that `after_step` cuts). None if these, or the rows of the series after the cut
+    bucket, would be at most `enough`."""
+    shift = BUCKET_SHIFTS[level]
+    start = -(2 ** 62) if after_step is None else after_step + 1
+    first = start >> shift
+    cut = start > first << shift
+    cursor = conn.connection.cursor()
+    where = "FROM metric_bucket WHERE run_id = ? AND name = ? AND level = ? AND bucket >= ?"
+    args = (run_id, name, level, first + cut)
+    # a bucket gives 1 to 3 points, mostly 2 (its min and max): counting first keeps a too-coarse level unread, and
+    # a series of at most `enough` rows is better read whole
+    buckets, rows = cursor.execute(f"SELECT count(*), coalesce(sum(n), 0) {where}", args).fetchone()
+    if 2 * buckets <= enough or rows <= enough:
+        cursor.close()
+        return None
+    head = []
+    if cut:
+        head = cursor.execute("SELECT step, value, time FROM metric WHERE run_id = ? AND name = ? AND step >= ? "
+                              "AND step < ?", (run_id, name, start, (first + 1) << shift)).fetchall()
+    rows = cursor.execute(f"SELECT lo_step, lo_value, lo_time, hi_step, hi_value, hi_time, nan_step, NULL, nan_time "
+                          f"{where}", args).fetchall()
+    cursor.close()
+    # each row as 3 (step, value, time) triples; NULL (None) becomes NaN: a bucket without a min/max/NaN row (the
+    # step), or the value of the NaN row, which is what it means
+    table = np.concatenate([np.array(head, dtype=np.float64).reshape(-1, 3),
+                            np.array(rows, dtype=np.float64).reshape(-1, 3)])
+    table = table[~np.isnan(table[:, 0])]
+    steps, index = np.unique(table[:, 0], return_index=True)  # sorted; a bucket's single row is its min and max
+    return Series(steps.astype(np.int64), table[index, 1], table[index, 2], 0)
 
 
 def downsample(series: Series, after_step: int | None = None, max_points: int | None = None) -> Series:

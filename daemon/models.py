@@ -78,6 +78,32 @@ class Metric(SQLModel, table=True):
     time: float = Field(default_factory=now)
 
 
+BUCKET_SHIFTS = (6, 9)  # metric_bucket.bucket = step >> BUCKET_SHIFTS[level]; migration 0002's triggers use them
+
+
+class MetricBucket(SQLModel, table=True):
+    """A summary of the metric rows of each (run, name), per bucket of 64 steps (level 0) and of 512 (level 1): the
+    row holding the minimum, the one holding the maximum, the first NaN. A chart of a 1,000,000-point series reads
+    ~2,000 of these rows instead of the million (SQLite alone needs > 100 ms to scan those). Written only by SQLite
+    triggers on `metric` (migration 0002), so every writer keeps it exact, replays and deletions included.
+    NULL lo/hi: only NaN in the bucket."""
+    __tablename__ = "metric_bucket"
+    __table_args__ = {"sqlite_with_rowid": False}   # the key is the only index: rows stay small and clustered
+    run_id: int = Field(foreign_key="run.id", primary_key=True)
+    name: str = Field(primary_key=True)
+    level: int = Field(primary_key=True)
+    bucket: int = Field(primary_key=True)
+    n: int                                 # rows in the bucket
+    lo_step: int | None = None
+    lo_value: float | None = None
+    lo_time: float | None = None
+    hi_step: int | None = None
+    hi_value: float | None = None
+    hi_time: float | None = None
+    nan_step: int | None = None            # the bucket's first NaN (value NULL), if any
+    nan_time: float | None = None
+
+
 class PolicyVersion(SQLModel, table=True):
     __tablename__ = "policy_version"
     __table_args__ = (UniqueConstraint("run_id", "version"),)

@@ -14,6 +14,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import WebSocketRoute
 
 from app.auth import SESSION_COOKIE
+from app.series import bucket_extremes
 from app_support import FAST, hook, web_thread  # noqa: F401 (hook is a fixture)
 from conftest import wait_until
 from daemon.api import Api
@@ -256,6 +257,30 @@ def test_metrics_downsampling_keeps_spikes_nan_and_inf_and_the_csv_has_everythin
     assert lines[0] == "step,name,value,time" and len(lines) == 1 + 2 * n
     assert any(line.startswith("2345,grad_norm,nan,") for line in lines)
     assert any(line.startswith("3456,grad_norm,inf,") for line in lines)
+
+
+def test_a_long_series_is_downsampled_from_its_summary_keeping_spikes_nan_and_inf(web):
+    """Long enough for the summary path (app/series.py bucket_extremes); the same guarantees as the full path."""
+    run = new_run(web)
+    n, special = 40_000, {12_345: 500.0, 23_456: None, 34_567: math.inf, 35_678: -math.inf, 39_999: -7.0}
+    with web["api"].engine.begin() as c:   # None: SQLite's NULL, which is NaN
+        c.exec_driver_sql("INSERT INTO metric (run_id, name, step, value, time) VALUES (?, 'grad_norm', ?, ?, ?)",
+                          [(run["id"], i, special.get(i, 1.0 + (i % 7) * 0.01), 1e9 + i) for i in range(n)])
+    with web["api"].engine.connect() as c:
+        assert bucket_extremes(c, run["id"], "grad_norm", 0, enough=300) is not None  # the path under test
+    url = f"/api/v1/runs/{run['id']}/metrics"
+    for after_step, kept in [(None, special), (12_345 - 3, special), (12_345, {k: v for k, v in special.items()
+                                                                               if k > 12_345})]:
+        body = web["client"].get(url, params={"names": "grad_norm", "max_points": 300,
+                                              **({"after_step": after_step} if after_step is not None else {})})
+        g = body.json()["series"]["grad_norm"]
+        assert body.json()["downsampled"] and len(g["step"]) <= 300
+        assert g["step"] == sorted(set(g["step"])) and g["step"][0] > (after_step if after_step is not None else -1)
+        values = dict(zip(g["step"], g["value"]))
+        expected = {k: {None: "NaN", math.inf: "Infinity", -math.inf: "-Infinity"}.get(v, v) for k, v in kept.items()}
+        assert {k: values.get(k) for k in kept} == expected
+        assert all(values[s] == 1.0 + (s % 7) * 0.01 for s in values if s not in special)  # real rows only
+        assert g["time"] == [1e9 + s for s in g["step"]]
 
 
 # ---- websocket: backfill, then push ---------------------------------------------------------------------------------

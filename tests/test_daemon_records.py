@@ -1,6 +1,8 @@
 """The daemon's records without training: migrations, SQLite settings, the database sink, the spool, the Python API."""
 import math
+import itertools
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select
+from sqlalchemy.dialects.sqlite import insert as insert_
 from sqlmodel import Session, SQLModel
 
 from conftest import wait_until
@@ -49,7 +52,8 @@ def test_upgrade_head_gives_exactly_the_models_schema_and_downgrade_base_empties
     created = sqlite_engine(f"sqlite:///{tmp_path / 'created.db'}")
     SQLModel.metadata.create_all(created)
 
-    assert set(schema(migrated)) == {"run", "attempt", "metric", "policy_version", "checkpoint", "alert", "event"}
+    assert set(schema(migrated)) == {"run", "attempt", "metric", "metric_bucket", "policy_version", "checkpoint",
+                                     "alert", "event"}
     assert schema(migrated) == schema(created)
     with migrated.connect() as conn:  # what `alembic check` does: no difference between models and database
         assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []
@@ -59,6 +63,71 @@ def test_upgrade_head_gives_exactly_the_models_schema_and_downgrade_base_empties
     assert inspect(migrated).get_table_names() == ["alembic_version"]
     upgrade(migrated, tmp_path / "a")  # and back up again
     assert schema(migrated) == schema(created)
+
+
+def summary_from_scratch(conn, run_id: int) -> dict:
+    """metric_bucket as it should be: each bucket's row count, min row, max row and first NaN row, from `metric`."""
+    out = {}
+    for name, step, value, t in conn.exec_driver_sql("SELECT name, step, value, time FROM metric WHERE run_id = ? "
+                                                     "ORDER BY step", (run_id,)):
+        for level, shift in enumerate(models.BUCKET_SHIFTS):
+            b = out.setdefault((name, level, step >> shift), {"n": 0, "lo": None, "hi": None, "nan": None})
+            b["n"] += 1
+            if value is None:
+                b["nan"] = b["nan"] or (step, t)
+            else:
+                b["lo"] = (step, value, t) if b["lo"] is None or value < b["lo"][1] else b["lo"]
+                b["hi"] = (step, value, t) if b["hi"] is None or value > b["hi"][1] else b["hi"]
+    return out
+
+
+def summary_in_db(conn, run_id: int) -> dict:
+    rows = conn.exec_driver_sql("SELECT name, level, bucket, n, lo_step, lo_value, lo_time, hi_step, hi_value, "
+                                "hi_time, nan_step, nan_time FROM metric_bucket WHERE run_id = ?", (run_id,))
+    return {(name, level, bucket): {"n": n, "lo": (ls, lv, lt) if ls is not None else None,
+                                    "hi": (hs, hv, ht) if hs is not None else None,
+                                    "nan": (ns, nt) if ns is not None else None}
+            for name, level, bucket, n, ls, lv, lt, hs, hv, ht, ns, nt in rows}
+
+
+def test_metric_buckets_stay_exact_through_inserts_replays_deletes_and_the_migration(tmp_path):
+    """The summary the charts read (migration 0002's triggers): every bucket's min, max and first NaN row, at both
+    levels, whoever writes `metric` and however. Ties (several rows holding the same min) are avoided: which row
+    holds such a min is not specified."""
+    engine = sqlite_engine(f"sqlite:///{tmp_path / 'molt.db'}")
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), "0001")   # rows recorded before the summary existed
+    rng = random.Random(0)
+    specials = itertools.chain([math.inf, -math.inf], (sign * (1e9 + k) for k in itertools.count()
+                                                       for sign in (1, -1)))
+    value = lambda: None if rng.random() < 0.05 else next(specials) if rng.random() < 0.01 else rng.random()
+    with engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO run (id, name, status, config, tags, step, total_steps, version, restarts, "
+                             "retries, max_restarts, created_at) VALUES (1, 'r', 'running', '{}', '[]', 0, 0, 0, 0, "
+                             "0, 3, 0)")
+        insert = "INSERT INTO metric (run_id, name, step, value, time) VALUES (1, ?, ?, ?, ?)"
+        conn.exec_driver_sql(insert, [(name, step, value(), float(step)) for name in "ab" for step in range(700)])
+    upgrade(engine, tmp_path)
+    with engine.begin() as conn:
+        assert summary_in_db(conn, 1) == summary_from_scratch(conn, 1)
+
+        conn.exec_driver_sql(insert, [(name, step, value(), float(step)) for name in "abc"
+                                      for step in rng.sample(range(700, 3000), 1500)])  # out of order, with gaps
+        for _ in range(300):  # replays: values rewritten in place, spikes among them removed
+            conn.exec_driver_sql("UPDATE metric SET value = ?, time = time + 0.5 WHERE name = ? AND step = ?",
+                                 (value(), rng.choice("abc"), rng.randrange(3000)))
+        conn.exec_driver_sql("UPDATE metric SET value = 0.25 + step * 1e-9 WHERE abs(value) >= 1e9")
+        conn.exec_driver_sql("DELETE FROM metric WHERE step % 97 = 3 OR (name = 'c' AND step >= 2048)")
+        conn.exec_driver_sql("UPDATE metric SET step = step + 5000 WHERE name = 'b' AND step < 100")  # moved
+        assert summary_in_db(conn, 1) == summary_from_scratch(conn, 1)
+    with engine.begin() as conn:  # and the sink's upsert (ON CONFLICT DO UPDATE: an UPDATE to the triggers)
+        rows = [{"run_id": 1, "name": "a", "step": step, "value": -5.0 if step == 150 else None, "time": 1.0}
+                for step in range(100, 200)]
+        stmt = insert_(Metric)
+        conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "name", "step"],
+                                                set_={"value": stmt.excluded.value}), rows)
+        assert summary_in_db(conn, 1) == summary_from_scratch(conn, 1)
+        assert summary_in_db(conn, 1)[("a", 0, 2)]["lo"] == (150, -5.0, 150.0)
 
 
 def test_connections_use_wal_and_a_busy_timeout(tmp_path):
