@@ -3,7 +3,11 @@ import string
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
+                          CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # Pillow only, no torchvision
+
+IMAGE_TOKEN = "<image>"
 
 # Architectures only; sizes are chosen so that a CPU learns the built-in envs in minutes.
 PRESETS = {
@@ -11,6 +15,13 @@ PRESETS = {
         vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
         pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    # The tiny-dense text model behind a 2-layer CLIP tower: a 32x32 image is 16 patches of 8x8, i.e. 16 tokens
+    # ("default" strategy drops CLS). The image placeholder is one token past the char vocabulary.
+    "tiny-vlm": lambda vocab: LlavaConfig(
+        vision_config=CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, projection_dim=64),
+        text_config=PRESETS["tiny-dense"](vocab + 1), image_token_id=vocab,
+        vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True),
 }
 
 
@@ -25,14 +36,29 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_policy(model_cfg, seed: int):
-    """(model, tokenizer) in fp32 train mode: a preset built from seed, or `model_cfg.path` loaded offline."""
+    """(model, processor) in fp32 train mode: a preset built from seed, or `model_cfg.path` loaded offline. The
+    processor is the tokenizer itself for a text policy; a vision-language policy's processor wraps its tokenizer
+    (`.tokenizer`) and also turns images into pixel values and image placeholder tokens."""
     if model_cfg.path:
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=torch.float32)
+        vision = hasattr(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True), "vision_config")
+        auto_model, auto_processor = (AutoModelForImageTextToText, AutoProcessor) if vision else (AutoModelForCausalLM, AutoTokenizer)
+        processor = auto_processor.from_pretrained(model_cfg.path, local_files_only=True)
+        model = auto_model.from_pretrained(model_cfg.path, local_files_only=True, dtype=torch.float32)
     else:
-        tokenizer = char_tokenizer()
+        processor = char_tokenizer()
+        config = PRESETS[model_cfg.preset](len(processor))
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(PRESETS[model_cfg.preset](len(tokenizer)), dtype=torch.float32)
+        if hasattr(config, "vision_config"):
+            processor.add_tokens([IMAGE_TOKEN], special_tokens=True)  # id len(char vocab), as the preset expects
+            size = config.vision_config.image_size
+            processor = LlavaProcessor(
+                image_processor=CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+                tokenizer=processor, patch_size=config.vision_config.patch_size, image_token=IMAGE_TOKEN,
+                vision_feature_select_strategy=config.vision_feature_select_strategy, num_additional_image_tokens=1)
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.train(), tokenizer
+    return model.train(), processor
