@@ -15,10 +15,11 @@ PRESETS = {
         vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
         pad_token_id=0, eos_token_id=1, bos_token_id=None),
-    # The tiny-dense text model behind a 2-layer CLIP tower: a 32x32 image is 16 patches of 8x8, i.e. 16 tokens
-    # ("default" strategy drops CLS). The image placeholder is one token past the char vocabulary.
+    # The tiny-dense text model behind a 2-layer CLIP tower: a 32x32 image is 4 patches of 16x16, i.e. 4 tokens
+    # ("default" strategy drops CLS), one per quadrant of the shapes env. The image placeholder is one token past
+    # the char vocabulary.
     "tiny-vlm": lambda vocab: LlavaConfig(
-        vision_config=CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128,
+        vision_config=CLIPVisionConfig(image_size=32, patch_size=16, hidden_size=64, intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=4, projection_dim=64),
         text_config=PRESETS["tiny-dense"](vocab + 1), image_token_id=vocab,
         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True),
