@@ -232,7 +232,7 @@ QUESTIONS = ("color", "shape", "count")
 @register
 class Shapes(Env):
     """Vision: a 32x32 image of 1-4 identical shapes (one per quadrant) and a question about their colour, shape or
-    count: "<image>shape?\n" -> "circle". With turns > 1, the feedback brings a new image and question; each turn
+    count: "<image>shape?\\n" -> "circle". With turns > 1, the feedback brings a new image and question; each turn
     is worth 1/turns. Chance, answering uniformly among the valid answers: (1/6 + 1/3 + 1/4) / 3 = 0.25."""
 
     name = "shapes"
@@ -278,18 +278,18 @@ class Shapes(Env):
         return f"<image>{scene[3]}?\n", [self.render(*scene[:3])]
 
     async def reset(self, seed: int) -> Observation:
-        self._turns, self._turn, self._correct = self._scenes(seed), 0, 0
-        text, images = self._observe(self._turns[0])
+        self._episode_scenes, self._turn, self._correct = self._scenes(seed), 0, 0
+        text, images = self._observe(self._episode_scenes[0])
         return Observation(text, images)
 
     async def step(self, action: str) -> Result:
-        correct = action.strip().lower() == self._answer(self._turns[self._turn])
+        correct = action.strip().lower() == self._answer(self._episode_scenes[self._turn])
         self._correct += correct
         self._turn += 1
         reward = float(correct) / self.max_turns
         if self._turn == self.max_turns:
             return Result(reward=reward, terminated=True, info={"success": self._correct == self.max_turns})
-        text, images = self._observe(self._turns[self._turn])
+        text, images = self._observe(self._episode_scenes[self._turn])
         return Result(reward=reward, observation=("yes\n" if correct else "no\n") + text, images=images)
 
     def demonstration(self, seed: int) -> list[str]:
