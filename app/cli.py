@@ -21,9 +21,9 @@ def main(argv=None):
 
     t = commands.add_parser("train", help="train a policy in this terminal (no server)")
     t.add_argument("--config", type=Path, help="JSON run config; the flags below override it")
-    t.add_argument("--env", help="environment name, e.g. max_digit, calculator, guess_number")
-    t.add_argument("--preset", help="built-in model, e.g. tiny-dense")
-    t.add_argument("--model-path", help="local Hugging Face causal-LM directory instead of a preset")
+    t.add_argument("--env", help="environment name, e.g. max_digit, calculator, guess_number, shapes")
+    t.add_argument("--preset", help="built-in model, e.g. tiny-dense, tiny-vlm")
+    t.add_argument("--model-path", help="local Hugging Face causal-LM or vision-language directory instead of a preset")
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--max-staleness", type=int, help="policy versions a sample may lag; 0 = on-policy")
     t.add_argument("--seed", type=int)

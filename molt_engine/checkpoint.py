@@ -4,10 +4,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 
-def save(root: Path, step: int, model, tokenizer, state: dict, reference=None) -> Path:
+def save(root: Path, step: int, model, processor, state: dict, reference=None) -> Path:
     """Write checkpoint `step-NNNNNN` under root and point `latest` at it. A crash at any moment leaves either the
     previous complete checkpoint or this one, never a half-written directory under a checkpoint's name."""
     root.mkdir(parents=True, exist_ok=True)
@@ -15,7 +14,7 @@ def save(root: Path, step: int, model, tokenizer, state: dict, reference=None) -
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp / "policy")
-    tokenizer.save_pretrained(tmp / "policy")
+    processor.save_pretrained(tmp / "policy")  # a tokenizer, or a VLM's processor (tokenizer + image processor)
     if reference is not None:
         reference.save_pretrained(tmp / "reference")
     torch.save(state, tmp / "state.pt")
@@ -37,9 +36,10 @@ def latest(root: Path) -> Path | None:
 
 def load(path: Path, model, reference=None) -> dict:
     """Load weights into `model` (and `reference`) in place; return the training state."""
-    model.load_state_dict(AutoModelForCausalLM.from_pretrained(path / "policy", dtype=torch.float32).state_dict())
+    # The policy's own class: a causal LM or a vision-language model.
+    model.load_state_dict(type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
     if reference is not None:
-        reference.load_state_dict(AutoModelForCausalLM.from_pretrained(path / "reference", dtype=torch.float32).state_dict())
+        reference.load_state_dict(type(reference).from_pretrained(path / "reference", dtype=torch.float32).state_dict())
     return torch.load(path / "state.pt", weights_only=False)
 
 

@@ -13,7 +13,7 @@ class _Strict(BaseModel):
 
 class ModelConfig(_Strict):
     preset: str | None = Field("tiny-dense", description="built-in architecture, randomly initialised")
-    path: str | None = Field(None, description="local Hugging Face causal-LM directory (overrides preset)")
+    path: str | None = Field(None, description="local Hugging Face causal-LM or vision-language (Llava) directory (overrides preset)")
 
     @field_validator("preset")
     @classmethod

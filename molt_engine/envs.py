@@ -1,4 +1,4 @@
-"""Text environments the agents train on: the Env contract, the registry, and the built-in envs."""
+"""Environments the agents train on: the Env contract, the registry, and the built-in envs (text, and one with images)."""
 import asyncio
 import importlib.util
 import random
@@ -7,11 +7,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from PIL import Image, ImageDraw
+
 
 @dataclass
 class Observation:
     text: str
-    images: list = field(default_factory=list)  # PIL images, for multimodal envs later
+    images: list = field(default_factory=list)  # PIL images, one per "<image>" placeholder in the text, in order
 
 
 @dataclass
@@ -21,7 +23,7 @@ class Result:
     terminated: bool = False
     truncated: bool = False
     info: dict = field(default_factory=dict)  # e.g. {"tool_call": True}, {"success": True}
-    images: list = field(default_factory=list)
+    images: list = field(default_factory=list)  # as Observation.images, for the feedback text
 
 
 class Env:
@@ -219,3 +221,76 @@ class GuessNumber(Env):
             if guess == secret:
                 return guesses
             low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (40, 70, 240), "yellow": (230, 220, 30),
+           "purple": (160, 40, 200), "white": (240, 240, 240)}
+SHAPES = ("circle", "square", "triangle")
+QUESTIONS = ("color", "shape", "count")
+
+
+@register
+class Shapes(Env):
+    """Vision: a 32x32 image of 1-4 identical shapes (one per quadrant) and a question about their colour, shape or
+    count: "<image>shape?\\n" -> "circle". With turns > 1, the feedback brings a new image and question; each turn
+    is worth 1/turns. Chance, answering uniformly among the valid answers: (1/6 + 1/3 + 1/4) / 3 = 0.25."""
+
+    name = "shapes"
+    max_tokens = 10  # "triangle" + eos
+
+    def __init__(self, *, turns: int = 1, **unknown):
+        super().__init__(**unknown)
+        if not 1 <= turns <= 4:
+            raise ValueError("shapes: turns must be in [1, 4]")
+        self.max_turns = turns
+
+    def _scenes(self, seed: int) -> list[tuple[str, str, list[tuple[int, int]], str]]:
+        """Per turn: colour, shape, the top-left corners of the drawn shapes, and the question."""
+        rng = random.Random(seed)
+        scenes = []
+        for _ in range(self.max_turns):
+            colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+            cells = rng.sample([(0, 0), (16, 0), (0, 16), (16, 16)], rng.randint(1, 4))
+            corners = [(x + rng.randint(1, 3), y + rng.randint(1, 3)) for x, y in cells]
+            scenes.append((colour, shape, corners, rng.choice(QUESTIONS)))
+        return scenes
+
+    @staticmethod
+    def render(colour: str, shape: str, corners: list[tuple[int, int]]) -> Image.Image:
+        image = Image.new("RGB", (32, 32))
+        draw = ImageDraw.Draw(image)
+        for x, y in corners:  # each shape fits a 12x12 box inside its 16x16 quadrant
+            box = (x, y, x + 11, y + 11)
+            if shape == "circle":
+                draw.ellipse(box, fill=COLOURS[colour])
+            elif shape == "square":
+                draw.rectangle(box, fill=COLOURS[colour])
+            else:
+                draw.polygon([(x + 5.5, y), (x, y + 11), (x + 11, y + 11)], fill=COLOURS[colour])
+        return image
+
+    @staticmethod
+    def _answer(scene) -> str:
+        colour, shape, corners, question = scene
+        return {"color": colour, "shape": shape, "count": str(len(corners))}[question]
+
+    def _observe(self, scene) -> tuple[str, list]:
+        return f"<image>{scene[3]}?\n", [self.render(*scene[:3])]
+
+    async def reset(self, seed: int) -> Observation:
+        self._episode_scenes, self._turn, self._correct = self._scenes(seed), 0, 0
+        text, images = self._observe(self._episode_scenes[0])
+        return Observation(text, images)
+
+    async def step(self, action: str) -> Result:
+        correct = action.strip().lower() == self._answer(self._episode_scenes[self._turn])
+        self._correct += correct
+        self._turn += 1
+        reward = float(correct) / self.max_turns
+        if self._turn == self.max_turns:
+            return Result(reward=reward, terminated=True, info={"success": self._correct == self.max_turns})
+        text, images = self._observe(self._episode_scenes[self._turn])
+        return Result(reward=reward, observation=("yes\n" if correct else "no\n") + text, images=images)
+
+    def demonstration(self, seed: int) -> list[str]:
+        return [self._answer(scene) for scene in self._scenes(seed)]

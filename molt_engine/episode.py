@@ -17,7 +17,7 @@ class Episode:
     versions: list[int] = field(default_factory=list)
     experts: list = field(default_factory=list)
     reward: float = 0.0
-    images: list = field(default_factory=list)
+    images: list = field(default_factory=list)  # pixel values [C, H, W], one per image, in order of their tokens
     info: dict = field(default_factory=dict)  # turns, tool_calls, success, truncated
 
     def extend(self, ids, *, action=False, logprobs=None, versions=None, experts=None):
@@ -39,7 +39,8 @@ class Episode:
 
 def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad to a batch. Position t of `targets`/`action_mask`/`behav_logp`/`versions` is the token predicted by
-    logits at t, i.e. token t+1 of the input; position ids are explicit so padding never shifts positions."""
+    logits at t, i.e. token t+1 of the input; position ids are explicit so padding never shifts positions. Images
+    are stacked row-major, the order in which a VLM meets their placeholder tokens in the batch."""
     width = max(len(e.token_ids) for e in episodes)
     ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(episodes), width), dtype=torch.long)
@@ -65,11 +66,23 @@ def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
         for i, j, x in recorded:
             routes[i, width - len(episodes[i].token_ids) + j - 1] = torch.tensor(x)
         batch["routes"] = routes
+    images = [image for e in episodes for image in e.images]
+    if images:
+        batch["pixel_values"] = torch.stack(images)
     return batch
 
 
 def token_logprobs(model, batch, temperature: float):
     """Log-probs of the targets under `model` at the sampling temperature ([B, T-1])."""
+    images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"]).logits[:, :-1].float() / temperature
+                   position_ids=batch["position_ids"], **images).logits[:, :-1].float() / temperature
+    logits = without_placeholder(logits, model.config)
     return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+
+
+def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:
+    """A VLM's image placeholder token is never an action (a generated one would have no image behind it): the
+    sampler and the trainer both take it out of the distribution, so their log-probs agree."""
+    image_token = getattr(config, "image_token_id", None)
+    return logits if image_token is None else logits.index_fill(-1, torch.tensor(image_token), float("-inf"))

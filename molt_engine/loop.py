@@ -72,7 +72,8 @@ class Run:
         self.cfg, self.sink = cfg, sink
         torch.set_num_threads(cfg.loop.threads)
         self.out_dir = Path(out_dir) if out_dir else None
-        self.model, self.tokenizer = load_policy(cfg.model, cfg.seed)
+        self.model, self.processor = load_policy(cfg.model, cfg.seed)
+        self.tokenizer = getattr(self.processor, "tokenizer", self.processor)  # a VLM's processor wraps it
         if cfg.algo.router_freeze:  # no gradient, so neither AdamW nor weight decay ever touches them
             for router in routers(self.model):
                 router.requires_grad_(False)
@@ -212,14 +213,14 @@ class Run:
         env = make_env(self.cfg.env, self.cfg.env_args)
         drill = random.Random(hash((seed, index))) if self.cfg.drills.env_error_rate else None
         obs = await _env_call(env.reset(seed))
-        ep = Episode(seed=seed, group=group, images=list(obs.images))
-        ep.extend(self.encode(obs.text))
+        ep = Episode(seed=seed, group=group)
+        self.observe(ep, obs.text, obs.images)
         info = {"turns": 0, "tool_calls": 0, "truncated": True, "entropy": 0.0}
-        limit = self.model.config.max_position_embeddings
+        limit = self.model.config.get_text_config().max_position_embeddings
         for turn in range(env.max_turns):
             if len(ep.token_ids) + env.max_tokens > limit:
                 break
-            req = await self.sampler.generate(ep.token_ids, env.max_tokens, greedy=greedy,
+            req = await self.sampler.generate(ep.token_ids, env.max_tokens, images=ep.images, greedy=greedy,
                                               seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
             ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts)
             info["entropy"] += req.entropy
@@ -233,14 +234,25 @@ class Run:
             if result.terminated or result.truncated:
                 info["truncated"] = result.truncated
                 break
-            ep.extend(self.encode(result.observation))
-            ep.images += result.images
+            self.observe(ep, result.observation, result.images)
         info["success"] = ep.reward >= env.success_reward
         ep.info = info
         return ep
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def observe(self, ep: Episode, text: str, images: list):
+        """Append env text to the episode as non-action tokens. With images, the VLM's processor expands each
+        image placeholder of the text into the image's tokens, and the pixel values join ep.images in order."""
+        if not images:
+            ep.extend(self.encode(text))
+            return
+        if self.processor is self.tokenizer:
+            raise ValueError(f"env {self.cfg.env!r} sends images, but the policy is text-only (use a VLM preset)")
+        out = self.processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
+        ep.extend(out["input_ids"][0].tolist())
+        ep.images += list(out["pixel_values"])
 
     async def trainer(self):
         loop = self.cfg.loop
@@ -495,7 +507,7 @@ class Run:
         if self.out_dir:
             final = self.out_dir / "final"
             self.model.save_pretrained(final)
-            self.tokenizer.save_pretrained(final)
+            self.processor.save_pretrained(final)
             self.sink.event("saved", f"final policy saved to {final}", path=str(final))
             self.summary["final_path"] = str(final)
         raise _Finished
@@ -515,7 +527,7 @@ class Run:
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
         }
         t0 = time.perf_counter()
-        path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.model, self.tokenizer, state,
+        path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.model, self.processor, state,
                                        self.reference)
         best = f"step-{self.best[1]:06d}" if self.best else None
         await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep, best)
@@ -570,15 +582,15 @@ class Run:
     async def demonstration(self, seed: int) -> Episode:
         env = make_env(self.cfg.env, self.cfg.env_args)
         obs = await env.reset(seed)
-        ep = Episode(seed=seed, group=-1, images=list(obs.images))
-        ep.extend(self.encode(obs.text))
+        ep = Episode(seed=seed, group=-1)
+        self.observe(ep, obs.text, obs.images)
         for action in env.demonstration(seed):
             ids = self.encode(action) + [self.eos_id]
             ep.extend(ids, action=True, logprobs=[0.0] * len(ids), versions=[0] * len(ids))
             result = await env.step(action)
             if result.terminated or result.truncated:
                 break
-            ep.extend(self.encode(result.observation))
+            self.observe(ep, result.observation, result.images)
         return ep
 
 

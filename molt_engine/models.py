@@ -4,7 +4,12 @@ import string
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
+                          CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast,
+                          Qwen3MoeConfig)
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # Pillow only, no torchvision
+
+IMAGE_TOKEN = "<image>"
 
 # Architectures only; sizes are chosen so that a CPU learns the built-in envs in minutes.
 PRESETS = {
@@ -17,6 +22,14 @@ PRESETS = {
         vocab_size=vocab, hidden_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    # The tiny-dense text model behind a 2-layer CLIP tower: a 32x32 image is 4 patches of 16x16, i.e. 4 tokens
+    # ("default" strategy drops CLS), one per quadrant of the shapes env. The image placeholder is one token past
+    # the char vocabulary.
+    "tiny-vlm": lambda vocab: LlavaConfig(
+        vision_config=CLIPVisionConfig(image_size=32, patch_size=16, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, projection_dim=64),
+        text_config=PRESETS["tiny-dense"](vocab + 1), image_token_id=vocab,
+        vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True),
 }
 
 
@@ -31,20 +44,35 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_policy(model_cfg, seed: int):
-    """(model, tokenizer) in fp32 train mode: a preset built from seed, or `model_cfg.path` loaded offline."""
+    """(model, processor) in fp32 train mode: a preset built from seed, or `model_cfg.path` loaded offline. The
+    processor is the tokenizer itself for a text policy; a vision-language policy's processor wraps its tokenizer
+    (`.tokenizer`) and also turns images into pixel values and image placeholder tokens."""
     if model_cfg.path:
-        tokenizer = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=torch.float32)
+        vision = hasattr(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True), "vision_config")
+        auto_model, auto_processor = (AutoModelForImageTextToText, AutoProcessor) if vision else (AutoModelForCausalLM, AutoTokenizer)
+        processor = auto_processor.from_pretrained(model_cfg.path, local_files_only=True)
+        model = auto_model.from_pretrained(model_cfg.path, local_files_only=True, dtype=torch.float32)
     else:
-        tokenizer = char_tokenizer()
+        processor = char_tokenizer()
+        config = PRESETS[model_cfg.preset](len(processor))
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(PRESETS[model_cfg.preset](len(tokenizer)), dtype=torch.float32)
+        if hasattr(config, "vision_config"):
+            processor.add_tokens([IMAGE_TOKEN], special_tokens=True)  # id len(char vocab), as the preset expects
+            size = config.vision_config.image_size
+            processor = LlavaProcessor(
+                image_processor=CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
+                tokenizer=processor, patch_size=config.vision_config.patch_size, image_token=IMAGE_TOKEN,
+                vision_feature_select_strategy=config.vision_feature_select_strategy, num_additional_image_tokens=1)
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     for router in routers(model):
         router.replay = None
         router.register_forward_hook(_route)
-    return model.train(), tokenizer
+    return model.train(), processor
 
 
 # ---- MoE routing: what each router chose, and replaying a recorded choice ---------------------------------------------

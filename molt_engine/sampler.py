@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from .episode import without_placeholder
 from .models import routers
 
 
@@ -16,6 +17,7 @@ class Request:
     max_tokens: int
     greedy: bool
     generator: torch.Generator    # per request, so an episode's samples don't depend on who shares its batch
+    images: list = field(default_factory=list)  # pixel values of the context's images, in order (VLMs only)
     future: asyncio.Future | None = None
     noise: torch.Tensor | None = None  # [max_tokens, vocab] uniforms drawn once from the generator
     ids: list[int] = field(default_factory=list)
@@ -44,8 +46,8 @@ class Sampler:
         self.new_weights = (state_dict, version)
         self.wake.set()
 
-    async def generate(self, context, max_tokens, *, greedy=False, seed=0) -> Request:
-        req = Request(list(context), max_tokens, greedy, torch.Generator().manual_seed(seed))
+    async def generate(self, context, max_tokens, *, images=(), greedy=False, seed=0) -> Request:
+        req = Request(list(context), max_tokens, greedy, torch.Generator().manual_seed(seed), list(images))
         req.future = asyncio.get_running_loop().create_future()
         self.pending.append(req)
         self.wake.set()
@@ -77,7 +79,7 @@ class Sampler:
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
                 # exactly that of the version it is tagged with (what the trainer's recomputation will check).
-                self.cache, self.mask, _ = self._prefill([r.context + r.ids[:-1] for r in self.active])
+                self.cache, self.mask, _ = self._prefill([r.context + r.ids[:-1] for r in self.active], self.active)
         joining, self.pending = self.pending, []
         if self.active:
             last = torch.tensor([[r.ids[-1]] for r in self.active])
@@ -105,7 +107,7 @@ class Sampler:
     def _sample(self, rows: list[Request], logits: torch.Tensor, routes: list | None):
         """Gumbel-max over the whole batch at once: argmax(logp + Gumbel noise) is a sample of softmax(logp), and
         each row's noise comes from its own request, so a sample never depends on the rest of the batch."""
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        logp = torch.log_softmax(without_placeholder(logits.float() / self.temperature, self.model.config), dim=-1)
         for req in rows:
             if req.noise is None:
                 req.noise = torch.rand((req.max_tokens, logp.shape[-1]), generator=req.generator)
@@ -123,18 +125,21 @@ class Sampler:
             req.experts.append(route)
         self.stats["tokens"] += len(rows)
 
-    def _prefill(self, seqs: list[list[int]]):
-        """Run sequences as one left-padded batch: their cache, attention mask and last-position logits."""
+    def _prefill(self, seqs: list[list[int]], reqs: list[Request]):
+        """Run sequences as one left-padded batch: their cache, attention mask and last-position logits. The
+        requests' images go in row-major order, the order of their placeholder tokens; decode steps need none."""
         width = max(len(s) for s in seqs)
         ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in seqs])
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+        images = [image for r in reqs for image in r.images]
+        pixels = {"pixel_values": torch.stack(images)} if images else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                         cache=DynamicCache(), use_cache=True, logits_to_keep=1)
+                         cache=DynamicCache(), use_cache=True, logits_to_keep=1, **pixels)
         return out.cache, mask, out.logits[:, -1]
 
     def _join(self, reqs: list[Request]):
         """Prefill the new requests, sample their first token, merge their rows into the running cache."""
-        cache, mask, logits = self._prefill([r.context for r in reqs])
+        cache, mask, logits = self._prefill([r.context for r in reqs], reqs)
         self._sample(reqs, logits, self._last_routes(len(reqs)))
         if not self.active:
             self.active, self.cache, self.mask = reqs, cache, mask

@@ -3,6 +3,7 @@ import asyncio
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from molt_engine.envs import ENVS, Env, Observation, Result, load_agents_dir, make_env, register
@@ -216,3 +217,66 @@ def test_env_names_are_never_imported(tmp_path, monkeypatch, clean_registry):
         with pytest.raises(ValueError):
             make_env(name)
     assert not marker.exists() and "sneaky" not in sys.modules
+
+
+# ---- shapes: images ---------------------------------------------------------------------------------------------------
+
+def drawn_quadrants(image) -> tuple[set, int]:
+    """The colours drawn (besides the black background) and how many 16x16 quadrants hold a shape."""
+    pixels = image.load()
+    colours = {pixels[x, y] for x in range(32) for y in range(32)} - {(0, 0, 0)}
+    filled = sum(any(pixels[x, y] != (0, 0, 0) for x in range(qx, qx + 16) for y in range(qy, qy + 16))
+                 for qx in (0, 16) for qy in (0, 16))
+    return colours, filled
+
+
+def test_shapes_renders_what_the_answers_say():
+    from molt_engine.envs import COLOURS, SHAPES
+    for seed in range(40):
+        env = make_env("shapes")
+        observation = asyncio.run(env.reset(seed))
+        assert re.fullmatch(r"<image>(color|shape|count)\?\n", observation.text)
+        (image,) = observation.images
+        assert image.size == (32, 32) and image.mode == "RGB"
+        colour, shape, corners, question = env._scenes(seed)[0]
+        assert colour in COLOURS and shape in SHAPES and 1 <= len(corners) <= 4
+        assert observation.text == f"<image>{question}?\n"
+        colours, filled = drawn_quadrants(image)
+        assert COLOURS[colour] in colours and filled == len(corners)
+    # Each shape leaves its own footprint: a square fills its box, a circle less, a triangle about half.
+    areas = {shape: int(np.asarray(env.render("red", shape, [(2, 2)])).any(-1).sum()) for shape in SHAPES}
+    assert areas["square"] > areas["circle"] > areas["triangle"] > 0
+
+
+def test_shapes_grading_and_demonstration():
+    answers = set()
+    for seed in range(40):
+        env = make_env("shapes")
+        (right,) = env.demonstration(seed)
+        answers.add(right)
+        _, results = asyncio.run(replay(env, seed, [f" {right.upper()}\n"]))
+        assert results[0].terminated and results[0].reward == 1.0 == env.success_reward
+        for wrong in ["", "4" if right != "4" else "red", right + "s"]:
+            _, results = asyncio.run(replay(make_env("shapes"), seed, [wrong]))
+            assert results[0].terminated and results[0].reward == 0.0
+        assert len(right) + 1 <= env.max_tokens  # + eos
+    assert {"1", "4", "circle", "triangle", "red", "white"} <= answers
+
+
+def test_shapes_multi_turn_feedback_brings_a_new_image():
+    env = make_env("shapes", {"turns": 2})
+    assert env.max_turns == 2
+    for seed in range(20):
+        first, second = env.demonstration(seed)
+        observation, results = asyncio.run(replay(env, seed, [first, second]))
+        assert not results[0].terminated and results[0].reward == 0.5
+        assert re.fullmatch(r"yes\n<image>(color|shape|count)\?\n", results[0].observation)
+        (second_image,) = results[0].images
+        scenes = env._scenes(seed)
+        assert second_image.tobytes() == env.render(*scenes[1][:3]).tobytes() != env.render(*scenes[0][:3]).tobytes()
+        assert results[1].terminated and results[1].reward == 0.5 and results[1].info["success"]
+        _, results = asyncio.run(replay(make_env("shapes", {"turns": 2}), seed, ["nope", second]))
+        assert results[0].observation.startswith("no\n") and sum(r.reward for r in results) == 0.5
+        assert not results[1].info["success"]
+    with pytest.raises(ValueError):
+        make_env("shapes", {"turns": 0})

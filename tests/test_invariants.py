@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import molt_engine.loop as loop_mod
 from molt_engine import Env, Observation, Result, train
-from molt_engine.envs import ENVS
-from molt_engine.episode import collate, token_logprobs
-from molt_engine.models import char_tokenizer, load_policy
+from molt_engine.envs import ENVS, Shapes
+from molt_engine.episode import Episode, collate, token_logprobs
+from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig
 from molt_engine.sampler import Request, Sampler
 
@@ -124,6 +124,27 @@ def test_on_policy_recomputed_logprobs_equal_recorded(capture):
     assert summary["staleness_max"] == 0
 
 
+@pytest.mark.parametrize("turns", [1, 2])
+def test_on_policy_recomputed_logprobs_equal_recorded_with_images(capture, turns):
+    """The same invariant for a VLM: pixel values go with the prefill and with the trainer's forward, and the
+    multi-turn variant's second image (brought by env feedback) travels in the record too."""
+    summary = train({"env": "shapes", "env_args": {"turns": turns}, "model": {"preset": "tiny-vlm"},
+                     "loop": {**SMALL, "steps": 3, "max_staleness": 0}, "warm_start": {"steps": 3}})
+    assert len(capture["losses"]) == 3
+    for logp, behav, mask in capture["losses"]:
+        assert mask.any()
+        assert (logp[mask] - behav[mask]).abs().max() <= 1e-5
+    image_token = len(char_tokenizer())  # one past the char vocabulary
+    vision = PRESETS["tiny-vlm"](image_token).vision_config
+    tokens_per_image = (vision.image_size // vision.patch_size) ** 2
+    for episodes, batch in capture["batches"]:
+        assert [len(e.images) for e in episodes] == [turns] * len(episodes)  # episodes run every turn
+        assert batch["pixel_values"].shape == (turns * len(episodes), 3, 32, 32)
+        assert int((batch["input_ids"] == image_token).sum()) == tokens_per_image * len(batch["pixel_values"])
+        assert not (batch["targets"][batch["action_mask"]] == image_token).any()
+    assert summary["staleness_max"] == 0
+
+
 class Gated(Env):
     """Group 0's episodes wait until the trainer has moved on by several versions, so they come back stale."""
     name = "test_gated"
@@ -210,3 +231,38 @@ def test_weight_swap_mid_generation_tags_versions():
             for i, v in enumerate(req.versions):
                 if v == version:
                     assert abs(float(full[i]) - req.logprobs[i]) <= 1e-5
+
+
+def test_weight_swap_mid_generation_reprefills_with_images():
+    """A VLM's re-prefill after a weight swap passes each row's image again: every token's recorded log-prob is that
+    of the weights it is tagged with, as the trainer recomputes it (collate + token_logprobs, pixel values in)."""
+    old, processor = load_policy(ModelConfig(preset="tiny-vlm"), seed=1)
+    new, _ = load_policy(ModelConfig(preset="tiny-vlm"), seed=2)
+    tok = processor.tokenizer
+    sampler = Sampler(copy.deepcopy(old), tok.eos_token_id, tok.pad_token_id, temperature=1.0, version=0)
+    reqs = []
+    for i, (colour, shape, question) in enumerate([("red", "circle", "color"), ("blue", "triangle", "count?\nsay")]):
+        out = processor(text=f"<image>{question}?\n", images=[Shapes.render(colour, shape, [(2, 2), (18, 18)])],
+                        add_special_tokens=False, return_tensors="pt")
+        reqs.append(Request(out["input_ids"][0].tolist(), 8, False, torch.Generator().manual_seed(i),
+                            list(out["pixel_values"])))
+    sampler.pending += reqs
+    for _ in range(3):
+        sampler.step()
+    sampler.publish(new.state_dict(), 1)
+    while sampler.active:
+        sampler.step()
+    episodes = []
+    for req in reqs:
+        assert len(req.ids) > 3  # the swap really happened mid-generation
+        assert req.versions == [0] * 3 + [1] * (len(req.ids) - 3)
+        ep = Episode(seed=0, group=0, images=req.images)
+        ep.extend(req.context)
+        ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions)
+        episodes.append(ep)
+    batch = collate(episodes, tok.pad_token_id)
+    for version, model in [(0, old), (1, new)]:
+        with torch.no_grad():
+            logp = token_logprobs(model.eval(), batch, 1.0)
+        tagged = batch["action_mask"] & (batch["versions"] == version)
+        assert tagged.sum() >= 2 and (logp[tagged] - batch["behav_logp"][tagged]).abs().max() <= 1e-5

@@ -86,6 +86,30 @@ def test_checkpoint_loads_with_plain_transformers_and_generates(tmp_path):
     assert isinstance(tokenizer.decode(out[0, ids.shape[1]:]), str)
 
 
+def test_vlm_checkpoint_and_final_load_with_plain_transformers_and_generate(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from molt_engine.config import ModelConfig
+    from molt_engine.envs import Shapes
+    from molt_engine.models import load_policy
+    train({"env": "shapes", "model": {"preset": "tiny-vlm"}, "loop": {"groups_per_step": 2, "group_size": 2,
+           "steps": 2, "eval_every": 0}, "warm_start": {"steps": 2}, "checkpoint": {"every": 2}}, out_dir=tmp_path)
+    image = Shapes.render("green", "square", [(2, 2)])
+    for path in [checkpoint.latest(tmp_path / "checkpoints") / "policy", tmp_path / "final"]:
+        model = AutoModelForImageTextToText.from_pretrained(path)
+        processor = AutoProcessor.from_pretrained(path)
+        inputs = processor(text="<image>color?\n", images=[image], return_tensors="pt", add_special_tokens=False)
+        vision = model.config.vision_config
+        assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == (vision.image_size // vision.patch_size) ** 2
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id)
+        assert out.shape[1] > inputs["input_ids"].shape[1]
+        assert isinstance(processor.decode(out[0, inputs["input_ids"].shape[1]:]), str)
+    # And as a run's starting policy (model.path), offline, with the same weights.
+    model, processor = load_policy(ModelConfig(preset=None, path=str(tmp_path / "final")), seed=0)
+    assert type(model).__name__ == "LlavaForConditionalGeneration" and processor.image_token == "<image>"
+    saved = AutoModelForImageTextToText.from_pretrained(tmp_path / "final").state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+
 def molt_train(out, *extra):
     return subprocess.Popen([sys.executable, "-m", "app.cli", "train", "--out", str(out), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
