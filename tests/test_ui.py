@@ -176,11 +176,13 @@ def test_a_script_in_a_run_name_is_shown_as_text_and_never_runs(served, page):
     assert dialogs == []
 
 
-def test_a_moe_run_from_the_form_shows_expert_load_per_layer(served, page):
-    preset = "tiny-moe"
+
+def launch_from_the_form(served, page, env: str, preset: str) -> int:
+    """A short run of `preset` on `env` launched from the form; returns its id once its page shows it completed."""
     page.goto(served.url)
     page.goto(served.base + "/runs/new")
     form = page.locator("#launch-form")
+    form.locator("select[name=env]").select_option(env)
     form.locator("select[name=preset]").select_option(preset)
     form.locator("input[name=name]").fill(f"{preset} from the form")
     for field, value in [("steps", "6"), ("groups_per_step", "2"), ("group_size", "4"), ("warm_start", "5"),
@@ -189,15 +191,27 @@ def test_a_moe_run_from_the_form_shows_expert_load_per_layer(served, page):
     page.click("#launch-form button[type=submit]")
     expect(page).to_have_url(re.compile(r"/runs/\d+$"))
     run_id = int(page.url.rsplit("/", 1)[1])
-    assert served.client.get(f"/api/v1/runs/{run_id}").json()["config"]["model"]["preset"] == preset
+    config = served.client.get(f"/api/v1/runs/{run_id}").json()["config"]
+    assert (config["env"], config["model"]["preset"]) == (env, preset)
     expect(page.locator("#run-status")).to_have_text("completed", timeout=120_000)
+    return run_id
+
+
+def test_a_moe_run_from_the_form_shows_expert_load_per_layer(served, page):
+    launch_from_the_form(served, page, "max_digit", "tiny-moe")
     # one expert-load chart per layer (4), each with a curve per expert (8), and the router chart
-    charts = page.locator("[id^=chart-experts-l]")
-    expect(charts).to_have_count(4)
+    expect(page.locator("[id^=chart-experts-l]")).to_have_count(4)
     for layer in range(4):
         chart = page.locator(f"#chart-experts-l{layer}")
         expect(chart).to_be_visible()
         wait_until(lambda: chart.get_attribute("data-points") == "6", 20, message=f"6 points in layer {layer}")
         assert chart.locator(".u-legend .u-series").count() >= 8
     expect(page.locator("#chart-router")).to_be_visible()
-    screenshot(page, f"run-page-{preset}.png")
+    screenshot(page, "run-page-tiny-moe.png")
+
+
+def test_a_vision_language_run_from_the_form_trains_on_images(served, page):
+    launch_from_the_form(served, page, "shapes", "tiny-vlm")
+    wait_until(lambda: page.locator("#chart-reward").get_attribute("data-points") == "6", 20, message="6 rewards")
+    expect(page.locator("[id^=chart-experts-l]")).to_have_count(0)  # a dense policy has no expert load
+    screenshot(page, "run-page-tiny-vlm.png")
