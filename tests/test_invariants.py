@@ -202,6 +202,16 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
     assert 0 not in trained_groups
 
 
+def run_with_swap_after_3_steps(sampler, reqs, new):
+    """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps."""
+    sampler.pending += reqs
+    for _ in range(3):
+        sampler.step()
+    sampler.publish(new.state_dict(), 1)
+    while sampler.active:
+        sampler.step()
+
+
 def test_weight_swap_mid_generation_tags_versions():
     tok = char_tokenizer()
     old, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
@@ -212,12 +222,7 @@ def test_weight_swap_mid_generation_tags_versions():
     # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text).
     reqs = [Request(context, 8, False, torch.Generator().manual_seed(0)),
             Request(other, 8, False, torch.Generator().manual_seed(1))]
-    sampler.pending += reqs
-    for _ in range(3):
-        sampler.step()
-    sampler.publish(new.state_dict(), 1)
-    while sampler.active:
-        sampler.step()
+    run_with_swap_after_3_steps(sampler, reqs, new)
     for req in reqs:
         n = len(req.ids)
         assert n > 3  # the swap really happened mid-generation
@@ -246,12 +251,7 @@ def test_weight_swap_mid_generation_reprefills_with_images():
                         add_special_tokens=False, return_tensors="pt")
         reqs.append(Request(out["input_ids"][0].tolist(), 8, False, torch.Generator().manual_seed(i),
                             list(out["pixel_values"])))
-    sampler.pending += reqs
-    for _ in range(3):
-        sampler.step()
-    sampler.publish(new.state_dict(), 1)
-    while sampler.active:
-        sampler.step()
+    run_with_swap_after_3_steps(sampler, reqs, new)
     episodes = []
     for req in reqs:
         assert len(req.ids) > 3  # the swap really happened mid-generation
