@@ -412,7 +412,7 @@ class Run:
             router.replay = routes if algo.routing_replay else torch.full_like(routes, -1)
         try:
             logp = token_logprobs(self.model, batch, self.cfg.loop.temperature)
-            aux, moe_metrics = routing_stats(self.model, batch["attention_mask"], batch["routes"],
+            aux, moe_metrics = routing_stats(moe, batch["attention_mask"], batch["routes"],
                                              F.pad(mask, (0, 1))) if moe else (0.0, {})
         finally:
             for router in moe:  # the logits hold the autograd graph: a model holding them can't be deep-copied

@@ -101,11 +101,10 @@ def _route(router, args, output):
     return logits, weights.to(logits.dtype), index
 
 
-def routing_stats(model, attention_mask, recorded, predicts_action) -> tuple[torch.Tensor, dict]:
-    """After a training forward of an MoE policy: the load-balancing aux loss and the routing metrics.
-    `recorded` [B, T, L, k] holds the sampler's expert ids per input position (-1 where none), `predicts_action`
-    [B, T] marks the positions whose logits give an action token."""
-    layers = routers(model)
+def routing_stats(layers: list, attention_mask, recorded, predicts_action) -> tuple[torch.Tensor, dict]:
+    """After a training forward of an MoE policy whose routers are `layers`: the load-balancing aux loss and the
+    routing metrics. `recorded` [B, T, L, k] holds the sampler's expert ids per input position (-1 where none),
+    `predicts_action` [B, T] marks the positions whose logits give an action token."""
     real = attention_mask.reshape(-1).bool()
     n_experts = layers[0].num_experts
     aux, metrics, entropies = 0.0, {}, []

@@ -31,14 +31,13 @@ def routing(monkeypatch):
     seen = []
     real = loop_mod.routing_stats
 
-    def spy(model, attention_mask, recorded, predicts_action):
-        layers = routers(model)
+    def spy(layers, attention_mask, recorded, predicts_action):
         shape = (*recorded.shape[:2], -1)
         where = predicts_action & (recorded[..., 0, 0] >= 0)
         seen.append({"used": torch.stack([r.selected.view(shape) for r in layers], 2)[where],
                      "natural": torch.stack([r.natural.view(shape) for r in layers], 2)[where],
                      "recorded": recorded[where]})
-        return real(model, attention_mask, recorded, predicts_action)
+        return real(layers, attention_mask, recorded, predicts_action)
 
     monkeypatch.setattr(loop_mod, "routing_stats", spy)
     return seen
