@@ -21,7 +21,7 @@ def load_or_create_token(home: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(24)
+    token = secrets.token_hex(24)   # hex, not urlsafe: a leading '-' would read as a flag in `molt runs --token X`
     # O_EXCL: two processes starting at once must not both write a different token
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -13,7 +13,7 @@ import websockets
 from fastapi.routing import APIRoute
 from starlette.routing import WebSocketRoute
 
-from app.auth import SESSION_COOKIE
+from app.auth import SESSION_COOKIE, load_or_create_token
 from app.series import bucket_extremes
 from app_support import FAST, hook, web_thread  # noqa: F401 (hook is a fixture)
 from conftest import wait_until
@@ -23,6 +23,16 @@ from daemon.sink import DbSink
 from sqlmodel import Session
 
 TOKEN = "test-token-1234"
+
+
+def test_a_new_token_is_saved_private_reused_and_never_reads_as_a_cli_flag(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOLT_TOKEN", raising=False)
+    tokens = [load_or_create_token(tmp_path / f"home{i}") for i in range(200)]
+    assert not [t for t in tokens if t.startswith("-")] and len(set(tokens)) == 200
+    assert (tmp_path / "home0" / "token").stat().st_mode & 0o777 == 0o600
+    assert load_or_create_token(tmp_path / "home0") == tokens[0]
+    monkeypatch.setenv("MOLT_TOKEN", "from-env")
+    assert load_or_create_token(tmp_path / "home0") == "from-env"
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def test_rest_create_wait_metrics_checkpoints_csv(served):
 
 
 def runs_cli(served, *args, timeout=180):
-    return subprocess.run(molt("runs", "--url", served.base, "--token", served.token, *args), capture_output=True,
+    return subprocess.run(molt("runs", "--url", served.base, f"--token={served.token}", *args), capture_output=True,
                           text=True, timeout=timeout, env=child_env(served.home))
 
 
