@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -37,34 +38,35 @@ class Episode:
         return min((v for v, a in zip(self.versions, self.is_action) if a), default=-1)
 
 
-def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
-    """Left-pad to a batch. Position t of `targets`/`action_mask`/`behav_logp`/`versions` is the token predicted by
-    logits at t, i.e. token t+1 of the input; position ids are explicit so padding never shifts positions. Images
-    are stacked row-major, the order in which a VLM meets their placeholder tokens in the batch."""
-    width = max(len(e.token_ids) for e in episodes)
-    ids = torch.full((len(episodes), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(episodes), width), dtype=torch.long)
-    action = torch.zeros((len(episodes), width), dtype=torch.bool)
-    behav = torch.zeros((len(episodes), width), dtype=torch.float32)
-    versions = torch.full((len(episodes), width), -1, dtype=torch.long)
-    for i, e in enumerate(episodes):
-        n = len(e.token_ids)
-        ids[i, width - n:] = torch.tensor(e.token_ids)
-        mask[i, width - n:] = 1
-        action[i, width - n:] = torch.tensor(e.is_action)
-        behav[i, width - n:] = torch.tensor(e.logprobs, dtype=torch.float32)
-        versions[i, width - n:] = torch.tensor(e.versions)
+def collate(episodes: list[Episode], pad_id: int) -> dict:
+    """Pad to a batch in which every prompt (the tokens before the first action) ends at column `prompt_width`: left
+    padding before it, right padding after the rest of the episode. The rows of a group then agree on all columns
+    before that, which token_logprobs computes once per group. Position t of `targets`/`action_mask`/`behav_logp`/
+    `versions` is the token predicted by logits at t, i.e. token t+1 of the input; position ids are explicit so
+    padding never shifts positions. Images are stacked row-major, the order in which a VLM meets their placeholder
+    tokens in the batch."""
+    prompts = [e.is_action.index(True) if any(e.is_action) else len(e.token_ids) for e in episodes]
+    before = max(prompts)
+    after = max(len(e.token_ids) - p for e, p in zip(episodes, prompts))
+
+    def rows(values, fill):
+        return torch.tensor([[fill] * (before - p) + v + [fill] * (after - len(v) + p) for v, p in zip(values, prompts)])
+
+    ids = rows([e.token_ids for e in episodes], pad_id)
+    mask = rows([[1] * len(e.token_ids) for e in episodes], 0)
     batch = {
         "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-        "targets": ids[:, 1:], "action_mask": action[:, 1:], "behav_logp": behav[:, 1:], "versions": versions[:, 1:],
+        "targets": ids[:, 1:], "action_mask": rows([e.is_action for e in episodes], False)[:, 1:],
+        "behav_logp": rows([e.logprobs for e in episodes], 0.0)[:, 1:].float(),
+        "versions": rows([e.versions for e in episodes], -1)[:, 1:], "prompt_width": before,
     }
     recorded = [(i, j, x) for i, e in enumerate(episodes) for j, x in enumerate(e.experts) if x]
     if recorded:
         # MoE: the experts recorded for token j were chosen at input position j-1, whose logits predicted it.
         layers, k = len(recorded[0][2]), len(recorded[0][2][0])
-        routes = torch.full((len(episodes), width, layers, k), -1, dtype=torch.long)
+        routes = torch.full(ids.shape + (layers, k), -1, dtype=torch.long)
         for i, j, x in recorded:
-            routes[i, width - len(episodes[i].token_ids) + j - 1] = torch.tensor(x)
+            routes[i, before - prompts[i] + j - 1] = torch.tensor(x)
         batch["routes"] = routes
     images = [image for e in episodes for image in e.images]
     if images:
@@ -73,12 +75,30 @@ def collate(episodes: list[Episode], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def token_logprobs(model, batch, temperature: float):
-    """Log-probs of the targets under `model` at the sampling temperature ([B, T-1])."""
-    images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=batch["position_ids"], **images).logits[:, :-1].float() / temperature
-    logits = without_placeholder(logits, model.config)
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]; 0 where no action can be).
+
+    The columns before the prompts' last token are the same in every row of a group, so they go through the model
+    once per distinct row and their keys/values are shared by the rows: the same log-probs and (summed) gradients
+    as one full forward, for a fraction of the compute when prompts are long next to the answers. MoE routing replay
+    and VLM images address every position of the batch, so those batches take the full forward."""
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    split = batch["prompt_width"] - 1  # every target that can be an action is at this column or later
+    if split > 0 and "routes" not in batch and "pixel_values" not in batch:
+        prefixes, row = torch.unique(torch.cat([ids[:, :split], mask[:, :split]], 1), dim=0, return_inverse=True)
+        first = torch.empty(len(prefixes), dtype=torch.long).scatter_(0, row, torch.arange(len(row)))  # one row each
+        cache = model(input_ids=ids[first, :split], attention_mask=mask[first, :split],
+                      position_ids=positions[first, :split], use_cache=True, logits_to_keep=1).cache
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[row], layer.values[row]
+        logits = model(input_ids=ids[:, split:], attention_mask=mask, position_ids=positions[:, split:],
+                       cache=cache, use_cache=True).logits
+    else:
+        split = 0
+        images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **images).logits
+    logits = without_placeholder(logits[:, :-1].float() / temperature, model.config)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"][:, split:].unsqueeze(-1)).squeeze(-1)
+    return F.pad(logp, (split, 0))
 
 
 def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:

@@ -79,7 +79,7 @@ class Sampler:
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
                 # exactly that of the version it is tagged with (what the trainer's recomputation will check).
-                self.cache, self.mask, _ = self._prefill([r.context + r.ids[:-1] for r in self.active], self.active)
+                self.cache, self.mask, _, _ = self._prefill([r.context + r.ids[:-1] for r in self.active], self.active)
         joining, self.pending = self.pending, []
         if self.active:
             last = torch.tensor([[r.ids[-1]] for r in self.active])
@@ -126,21 +126,29 @@ class Sampler:
         self.stats["tokens"] += len(rows)
 
     def _prefill(self, seqs: list[list[int]], reqs: list[Request]):
-        """Run sequences as one left-padded batch: their cache, attention mask and last-position logits. The
-        requests' images go in row-major order, the order of their placeholder tokens; decode steps need none."""
-        width = max(len(s) for s in seqs)
-        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in seqs])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+        """Run sequences as one left-padded batch: their cache, attention mask, last-position logits and (MoE) experts.
+        Identical text-only sequences (a group's shared prompt, the same tool call made by several of its episodes)
+        run once and share their rows. The requests' images go in row-major order, the order of their placeholder
+        tokens; decode steps need none."""
         images = [image for r in reqs for image in r.images]
+        slot = {}  # distinct sequence -> its row in the forward; with images, every sequence is its own
+        row = torch.tensor([slot.setdefault((tuple(s), i if images else 0), len(slot)) for i, s in enumerate(seqs)])
+        distinct = [list(key[0]) for key in slot]
+        width = max(len(s) for s in distinct)
+        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in distinct])
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in distinct])
         pixels = {"pixel_values": torch.stack(images)} if images else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          cache=DynamicCache(), use_cache=True, logits_to_keep=1, **pixels)
-        return out.cache, mask, out.logits[:, -1]
+        routes = self._last_routes(len(distinct))
+        for layer in out.cache.layers:
+            layer.keys, layer.values = layer.keys[row], layer.values[row]
+        return out.cache, mask[row], out.logits[row, -1], None if routes is None else [routes[i] for i in row.tolist()]
 
     def _join(self, reqs: list[Request]):
         """Prefill the new requests, sample their first token, merge their rows into the running cache."""
-        cache, mask, logits = self._prefill([r.context for r in reqs], reqs)
-        self._sample(reqs, logits, self._last_routes(len(reqs)))
+        cache, mask, logits, routes = self._prefill([r.context for r in reqs], reqs)
+        self._sample(reqs, logits, routes)
         if not self.active:
             self.active, self.cache, self.mask = reqs, cache, mask
             return

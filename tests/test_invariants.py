@@ -124,6 +124,46 @@ def test_on_policy_recomputed_logprobs_equal_recorded(capture):
     assert summary["staleness_max"] == 0
 
 
+def test_shared_prompt_forward_equals_the_full_forward():
+    """token_logprobs runs the columns a group shares once: its log-probs and gradients are those of one full forward
+    over the padded batch, for multi-turn episodes, prompts of different lengths, and same-length prompts that
+    differ (rows share only what is really equal)."""
+    tok = char_tokenizer()
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=3)
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    g = torch.Generator().manual_seed(0)
+    episodes = []
+    for group, prompt in enumerate(["Q 12+5\n"] * 3 + ["Q 7*8\n"] * 2 + ["Q 12+6\n"]):
+        ep = Episode(seed=group, group=group)
+        ep.extend(encode(prompt))
+        for turn in range(1 + group % 2):  # one or two turns, env feedback in between
+            actions = torch.randint(3, tok.vocab_size, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+            ep.extend(actions.tolist(), action=True, logprobs=[0.0] * len(actions), versions=[0] * len(actions))
+            ep.extend(encode(f"={turn}\n"))
+        episodes.append(ep)
+    batch = collate(episodes, tok.pad_token_id)
+    rows_seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, args, kw: rows_seen.append(tuple(kw["input_ids"].shape)),
+                                                 with_kwargs=True)
+    logp = token_logprobs(model.train(), batch, 1.0)
+    hook.remove()
+    mask = batch["action_mask"]
+    logp[mask].sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, :-1]
+    full = torch.log_softmax(logits, -1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+    full[mask].sum().backward()
+    # Three distinct prompts: "Q 12+5", "Q 7*8" and "Q 12+6" (the last token of each prompt starts the suffix).
+    split = batch["prompt_width"] - 1
+    assert rows_seen == [(3, split), (6, batch["input_ids"].shape[1] - split)]
+    assert mask.sum() == sum(e.n_actions for e in episodes) and mask[:, :split].sum() == 0
+    assert (logp[mask] - full[mask]).abs().max() <= 1e-5
+    for shared, p in zip(shared_grads, model.parameters()):
+        assert (shared - p.grad).abs().max() <= 1e-5 * p.grad.abs().max()  # float32 summation order only
+
+
 @pytest.mark.parametrize("turns", [1, 2])
 def test_on_policy_recomputed_logprobs_equal_recorded_with_images(capture, turns):
     """The same invariant for a VLM: pixel values go with the prefill and with the trainer's forward, and the
@@ -219,10 +259,15 @@ def test_weight_swap_mid_generation_tags_versions():
     sampler = Sampler(copy.deepcopy(old), tok.eos_token_id, tok.pad_token_id, temperature=1.0, version=0)
     context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
     other = tok("9 2=", add_special_tokens=False)["input_ids"]
-    # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text).
+    # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text). Two
+    # share their context, so the join's prefill runs it once for both.
     reqs = [Request(context, 8, False, torch.Generator().manual_seed(0)),
-            Request(other, 8, False, torch.Generator().manual_seed(1))]
+            Request(other, 8, False, torch.Generator().manual_seed(1)),
+            Request(context, 8, False, torch.Generator().manual_seed(2))]
+    rows = []
+    sampler.model.model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape), with_kwargs=True)
     run_with_swap_after_3_steps(sampler, reqs, new)
+    assert rows[0] == (2, len(context))  # the join's prefill: the distinct contexts only
     for req in reqs:
         n = len(req.ids)
         assert n > 3  # the swap really happened mid-generation
