@@ -269,8 +269,17 @@ def call(client, method: str, path: str, **kwargs):
     raise ApiError(f"{response.status_code}: {detail}", code)
 
 
+def read_json(path: Path):
+    """A JSON file the user named: a missing file or invalid JSON is bad input with its reason, not a traceback."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        print(f"molt: cannot read {path} as JSON: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def runs_create(client, args) -> int:
-    body = json.loads(args.config.read_text())
+    body = read_json(args.config)
     if not (isinstance(body, dict) and "config" in body and "env" not in body):
         body = {"config": body}
     for key, value in [("name", args.name), ("tags", args.tag), ("max_restarts", args.max_restarts)]:
@@ -351,9 +360,9 @@ def cmd_train(args) -> int:
         return 2
     saved = args.out / "config.json" if args.out else None
     if args.config:
-        config = json.loads(args.config.read_text())
+        config = read_json(args.config)
     elif args.resume and saved.exists():
-        config = json.loads(saved.read_text())
+        config = read_json(saved)
     else:
         config = {}
     for key, value in [("env", args.env), ("seed", args.seed)]:

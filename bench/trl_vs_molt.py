@@ -33,7 +33,7 @@ from molt_engine.models import load_policy
 # The hyperparameters both trainers share in part 1; each is written once and mapped to both config spellings below.
 GROUP_SIZE = 8          # TRL num_generations
 PROMPTS_PER_STEP = 16   # TRL: per_device_train_batch_size = 16 x 8 completions, one generation batch per step
-LR = 5e-4
+LR = 3e-4               # the engine default (algo.lr)
 MAX_GRAD_NORM = 1.0
 TEMPERATURE = 1.0
 MAX_NEW_TOKENS = 4      # = MaxDigit.max_tokens, the turn length our engine uses for this env

@@ -72,6 +72,10 @@ def test_cli_bad_config_exits_2_naming_the_field_and_a_timeout_exits_124(served,
     bad.write_text(json.dumps({"env": "max_digit", "loop": {"steps": -5}}))
     result = runs_cli(served, "create", "--config", str(bad))
     assert result.returncode == 2 and "config.loop.steps" in result.stderr
+    bad.write_text('{"env": "max_digit",')  # not JSON: the same exit code and the file's name, from both commands
+    for result in (runs_cli(served, "create", "--config", str(bad)),
+                   subprocess.run(molt("train", "--config", str(bad)), capture_output=True, text=True, timeout=60)):
+        assert result.returncode == 2 and f"cannot read {bad} as JSON" in result.stderr, result.stderr
     # a queued run behind a long one cannot finish in half a second
     long = tmp_path / "long.json"
     long.write_text(json.dumps({**FAST, "loop": {**FAST["loop"], "steps": 100000}}))
