@@ -88,8 +88,7 @@ def token_logprobs(model, batch, temperature: float):
         first = torch.empty(len(prefixes), dtype=torch.long).scatter_(0, row, torch.arange(len(row)))  # one row each
         cache = model(input_ids=ids[first, :split], attention_mask=mask[first, :split],
                       position_ids=positions[first, :split], use_cache=True, logits_to_keep=1).cache
-        for layer in cache.layers:
-            layer.keys, layer.values = layer.keys[row], layer.values[row]
+        cache.batch_select_indices(row)  # each row gets its prefix's keys/values; gradients sum back into them
         logits = model(input_ids=ids[:, split:], attention_mask=mask, position_ids=positions[:, split:],
                        cache=cache, use_cache=True).logits
     else:

@@ -141,8 +141,7 @@ class Sampler:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          cache=DynamicCache(), use_cache=True, logits_to_keep=1, **pixels)
         routes = self._last_routes(len(distinct))
-        for layer in out.cache.layers:
-            layer.keys, layer.values = layer.keys[row], layer.values[row]
+        out.cache.batch_select_indices(row)
         return out.cache, mask[row], out.logits[row, -1], None if routes is None else [routes[i] for i in row.tolist()]
 
     def _join(self, reqs: list[Request]):
