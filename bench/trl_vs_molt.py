@@ -277,7 +277,8 @@ def part2(args) -> list[str]:
                 "env": "calculator", "env_args": LATENCY, "seed": seed,
                 "model": {"preset": None, "path": model_dir}, "warm_start": {"steps": 0},
                 # eval_every = steps: one eval at step 0 (both runs pay it) and the final eval after the last step.
-                "loop": {"steps": args.part2_steps, "max_staleness": staleness, "eval_every": args.part2_steps},
+                "loop": {"steps": args.part2_steps, "max_staleness": staleness, "eval_every": args.part2_steps,
+                         "eval_episodes": 64},
             }
             results[staleness] = run_ours(config, args.max_seconds)
             log(f"  {fmt_run(results[staleness])}, final eval {results[staleness]['final_eval']}")

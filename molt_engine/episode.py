@@ -77,27 +77,41 @@ def collate(episodes: list[Episode], pad_id: int) -> dict:
 def token_logprobs(model, batch, temperature: float):
     """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]; 0 where no action can be).
 
-    The columns before the prompts' last token are the same in every row of a group, so they go through the model
-    once per distinct row and their keys/values are shared by the rows: the same log-probs and (summed) gradients
-    as one full forward, for a fraction of the compute when prompts are long next to the answers. MoE routing replay
-    and VLM images address every position of the batch, so those batches take the full forward."""
-    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
-    split = batch["prompt_width"] - 1  # every target that can be an action is at this column or later
-    if split > 0 and "routes" not in batch and "pixel_values" not in batch:
-        prefixes, row = torch.unique(torch.cat([ids[:, :split], mask[:, :split]], 1), dim=0, return_inverse=True)
-        first = torch.empty(len(prefixes), dtype=torch.long).scatter_(0, row, torch.arange(len(row)))  # one row each
-        cache = model(input_ids=ids[first, :split], attention_mask=mask[first, :split],
-                      position_ids=positions[first, :split], use_cache=True, logits_to_keep=1).cache
-        cache.batch_select_indices(row)  # each row gets its prefix's keys/values; gradients sum back into them
-        logits = model(input_ids=ids[:, split:], attention_mask=mask, position_ids=positions[:, split:],
-                       cache=cache, use_cache=True).logits
-    else:
-        split = 0
+    Text-only batches never compute the same thing twice: identical rows (episodes of a group that sampled the same
+    tokens) run once, and the columns before the prompts' last token, the same in every row of a group, run once per
+    distinct prefix whose keys/values the rows then share. Indexing back gives every row its log-probs, and autograd
+    sums the rows' gradients into what they share: the same log-probs and gradients as one full forward, for a
+    fraction of the compute. MoE routing replay and VLM images address every row and position of the batch, so
+    those batches take the full forward."""
+    ids, mask, positions, targets = batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["targets"]
+    if "routes" in batch or "pixel_values" in batch:
         images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **images).logits
-    logits = without_placeholder(logits[:, :-1].float() / temperature, model.config)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, batch["targets"][:, split:].unsqueeze(-1)).squeeze(-1)
-    return F.pad(logp, (split, 0))
+        return _target_logprobs(logits, targets, temperature, model.config)
+    first, row = _distinct(torch.cat([ids, mask], 1))
+    ids, mask, positions, targets = ids[first], mask[first], positions[first], targets[first]
+    split = max(batch["prompt_width"] - 1, 0)  # every target that can be an action is at this column or later
+    cache = None
+    if split:
+        prefix, prefix_row = _distinct(torch.cat([ids[:, :split], mask[:, :split]], 1))
+        cache = model(input_ids=ids[prefix, :split], attention_mask=mask[prefix, :split],
+                      position_ids=positions[prefix, :split], use_cache=True, logits_to_keep=1).cache
+        cache.batch_select_indices(prefix_row)  # each row gets its prefix's keys/values
+    logits = model(input_ids=ids[:, split:], attention_mask=mask, position_ids=positions[:, split:],
+                   cache=cache, use_cache=cache is not None).logits
+    return F.pad(_target_logprobs(logits, targets[:, split:], temperature, model.config), (split, 0))[row]
+
+
+def _distinct(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the distinct rows of a 2-D tensor: the index of one occurrence of each, and each row's distinct row."""
+    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    first = torch.empty(len(distinct), dtype=torch.long).scatter_(0, inverse, torch.arange(len(rows)))
+    return first, inverse
+
+
+def _target_logprobs(logits, targets, temperature: float, config):
+    logits = without_placeholder(logits[:, :-1].float() / temperature, config)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:

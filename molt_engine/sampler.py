@@ -1,4 +1,4 @@
-"""The sampler: one KV-cache decode loop, dynamically batched across all episodes, stamping log-prob and version per token."""
+"""The sampler: KV-cache decoding batched across all episodes (a row per distinct sequence), stamping logprob and version."""
 import asyncio
 import time
 from dataclasses import dataclass, field
@@ -25,6 +25,7 @@ class Request:
     versions: list[int] = field(default_factory=list)
     experts: list = field(default_factory=list)  # MoE: per token, the [layer][k] experts that computed its logits
     entropy: float = 0.0          # summed over the generated tokens: the behaviour policy's entropy
+    row: int = -1                 # its row of the sampler's KV cache, shared by requests whose tokens are all equal
 
 
 class Sampler:
@@ -34,9 +35,10 @@ class Sampler:
         self.eos_id, self.pad_id, self.temperature = eos_id, pad_id, temperature
         self.version = version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
-        self.active: list[Request] = []    # rows of the KV cache, in order
-        self.cache = None                  # DynamicCache over the active rows, left-padded
+        self.active: list[Request] = []    # in generation, each on a row of the cache
+        self.cache = None                  # DynamicCache, one row per distinct sequence of the active requests, left-padded
         self.mask = None                   # [rows, T] attention mask of the cache
+        self.last = None                   # [rows] each row's last sampled token: the next decode step's input
         self.new_weights = None            # (state_dict, version) published by the trainer
         self.wake = asyncio.Event()
         self.stats = {"steps": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0, "tokens": 0}
@@ -71,31 +73,33 @@ class Sampler:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """One decode step: swap weights if published, prefill joining requests, decode one token for every other
-        row, retire finished rows. Returns the finished requests."""
+        """One decode step: swap weights if published, decode one token for every cache row, prefill joining requests,
+        then regroup the rows. Returns the finished requests."""
         if self.new_weights is not None:
             (state_dict, self.version), self.new_weights = self.new_weights, None
             self.model.load_state_dict(state_dict)
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
                 # exactly that of the version it is tagged with (what the trainer's recomputation will check).
-                self.cache, self.mask, _, _ = self._prefill([r.context + r.ids[:-1] for r in self.active], self.active)
+                owner = {r.row: r for r in self.active}  # any request of a row: they share all its tokens
+                owners = [owner[i] for i in range(len(self.mask))]
+                self.cache, mask, _, _, row = self._prefill(owners, [r.context + r.ids[:-1] for r in owners])
+                self.cache.batch_select_indices(row)
+                self.mask = mask[row]
         joining, self.pending = self.pending, []
         if self.active:
-            last = torch.tensor([[r.ids[-1]] for r in self.active])
             self.mask = F.pad(self.mask, (0, 1), value=1)
-            out = self.model(input_ids=last, attention_mask=self.mask, position_ids=self.mask.sum(1, keepdim=True) - 1,
-                             cache=self.cache, use_cache=True)
+            out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
+                             position_ids=self.mask.sum(1, keepdim=True) - 1, cache=self.cache, use_cache=True)
             self.cache = out.cache
-            self._sample(self.active, out.logits[:, -1], self._last_routes(len(self.active)))
+            self._sample(self.active, out.logits[:, -1], self._last_routes(len(self.mask)))
         if joining:
             self._join(joining)
         self.stats["steps"] += 1
         self.stats["rows"] += len(self.active)
         done = [r.ids[-1] == self.eos_id or len(r.ids) >= r.max_tokens for r in self.active]
         finished = [r for r, d in zip(self.active, done) if d]
-        if finished:
-            self._retire([i for i, d in enumerate(done) if not d])
+        self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished
 
     def _last_routes(self, rows: int) -> list | None:
@@ -104,32 +108,35 @@ class Sampler:
             return None
         return torch.stack([r.selected.view(rows, -1, r.top_k)[:, -1] for r in self.routers], 1).tolist()
 
-    def _sample(self, rows: list[Request], logits: torch.Tensor, routes: list | None):
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, routes: list | None):
         """Gumbel-max over the whole batch at once: argmax(logp + Gumbel noise) is a sample of softmax(logp), and
-        each row's noise comes from its own request, so a sample never depends on the rest of the batch."""
+        each request's noise comes from its own generator, so a sample never depends on the rest of the batch, nor on
+        which requests share its cache row (`logits` and `routes` are per row)."""
         logp = torch.log_softmax(without_placeholder(logits.float() / self.temperature, self.model.config), dim=-1)
-        for req in rows:
+        entropy = torch.special.entr(logp.exp()).sum(-1)
+        rows = torch.tensor([req.row for req in reqs])
+        logp, entropy = logp[rows], entropy[rows]
+        for req in reqs:
             if req.noise is None:
                 req.noise = torch.rand((req.max_tokens, logp.shape[-1]), generator=req.generator)
-        uniform = torch.stack([req.noise[len(req.ids)] for req in rows]).clamp(1e-20, 1.0)
-        greedy = torch.tensor([req.greedy for req in rows])
+        uniform = torch.stack([req.noise[len(req.ids)] for req in reqs]).clamp(1e-20, 1.0)
+        greedy = torch.tensor([req.greedy for req in reqs])
         tokens = torch.where(greedy, logp.argmax(-1), (logp - torch.log(-torch.log(uniform))).argmax(-1))
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
-        entropy = torch.special.entr(logp.exp()).sum(-1)
-        for req, token, lp, h in zip(rows, tokens.tolist(), chosen.tolist(), entropy.tolist()):
+        for req, token, lp, h in zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist()):
             req.ids.append(token)
             req.logprobs.append(lp)
             req.versions.append(self.version)
             req.entropy += h
-        for req, route in zip(rows, routes or []):
-            req.experts.append(route)
-        self.stats["tokens"] += len(rows)
+            if routes:
+                req.experts.append(routes[req.row])
+        self.stats["tokens"] += len(reqs)
 
-    def _prefill(self, seqs: list[list[int]], reqs: list[Request]):
-        """Run sequences as one left-padded batch: their cache, attention mask, last-position logits and (MoE) experts.
-        Identical text-only sequences (a group's shared prompt, the same tool call made by several of its episodes)
-        run once and share their rows. The requests' images go in row-major order, the order of their placeholder
-        tokens; decode steps need none."""
+    def _prefill(self, reqs: list[Request], seqs: list[list[int]]):
+        """Run sequences (seqs[i] is reqs[i]'s) as one left-padded batch: the cache, attention mask, last-position
+        logits and (MoE) experts of its rows, and each sequence's row. Identical text-only sequences (a group's
+        shared prompt, the same tool call made by several of its episodes) run once. The requests' images go in
+        row-major order, the order of their placeholder tokens; decode steps need none."""
         images = [image for r in reqs for image in r.images]
         slot = {}  # distinct sequence -> its row in the forward; with images, every sequence is its own
         row = torch.tensor([slot.setdefault((tuple(s), i if images else 0), len(slot)) for i, s in enumerate(seqs)])
@@ -140,17 +147,19 @@ class Sampler:
         pixels = {"pixel_values": torch.stack(images)} if images else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          cache=DynamicCache(), use_cache=True, logits_to_keep=1, **pixels)
-        routes = self._last_routes(len(distinct))
-        out.cache.batch_select_indices(row)
-        return out.cache, mask[row], out.logits[row, -1], None if routes is None else [routes[i] for i in row.tolist()]
+        return out.cache, mask, out.logits[:, -1], self._last_routes(len(distinct)), row
 
     def _join(self, reqs: list[Request]):
-        """Prefill the new requests, sample their first token, merge their rows into the running cache."""
-        cache, mask, logits, routes = self._prefill([r.context for r in reqs], reqs)
+        """Prefill the new requests, sample their first token, append their rows to the running cache."""
+        cache, mask, logits, routes, row = self._prefill(reqs, [r.context for r in reqs])
+        for req, i in zip(reqs, row.tolist()):
+            req.row = i
         self._sample(reqs, logits, routes)
         if not self.active:
             self.active, self.cache, self.mask = reqs, cache, mask
             return
+        for req in reqs:
+            req.row += len(self.mask)
         # Left-pad the shorter of the two caches so both have the same length, then stack the rows.
         old_len, new_len = self.mask.shape[1], mask.shape[1]
         total = max(old_len, new_len)
@@ -160,16 +169,24 @@ class Sampler:
         self.mask = torch.cat([F.pad(self.mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
         self.active = self.active + reqs
 
-    def _retire(self, keep: list[int]):
-        """Drop finished rows from the cache, and the leading columns that only padding still uses."""
+    def _regroup(self, keep: list[Request]):
+        """Requests on one cache row have the same tokens so far; those that sampled the same next token still do and
+        keep sharing a row (a group's episodes often generate the very same tool call), the others get a copy of the
+        row each. Finished requests leave; rows no request uses go, with the leading columns only padding uses."""
         if not keep:
             self.active, self.cache, self.mask = [], None, None
             return
-        index = torch.tensor(keep)
-        mask = self.mask[index]
-        start = int((mask.sum(0) > 0).nonzero()[0])
+        rows = {}  # (old row, token) -> new row
+        for req in keep:
+            req.row = rows.setdefault((req.row, req.ids[-1]), len(rows))
+        self.active = keep
+        self.last = torch.tensor([token for _, token in rows])
+        parent = [row for row, _ in rows]
+        start = int((self.mask[parent].sum(0) > 0).nonzero()[0])
+        if parent == list(range(len(self.mask))) and start == 0:
+            return  # nothing diverged, finished or emptied: the cache stays as it is
+        index = torch.tensor(parent)
         for layer in self.cache.layers:
             layer.keys = layer.keys[index, :, start:]
             layer.values = layer.values[index, :, start:]
-        self.mask = mask[:, start:]
-        self.active = [self.active[i] for i in keep]
+        self.mask = self.mask[index, start:]

@@ -125,9 +125,9 @@ def test_on_policy_recomputed_logprobs_equal_recorded(capture):
 
 
 def test_shared_prompt_forward_equals_the_full_forward():
-    """token_logprobs runs the columns a group shares once: its log-probs and gradients are those of one full forward
-    over the padded batch, for multi-turn episodes, prompts of different lengths, and same-length prompts that
-    differ (rows share only what is really equal)."""
+    """token_logprobs runs what rows share once (identical episodes; the columns of a group's prompt): its log-probs
+    and gradients are those of one full forward over the padded batch, for multi-turn episodes, prompts of different
+    lengths, and same-length prompts that differ (rows share only what is really equal)."""
     tok = char_tokenizer()
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=3)
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
@@ -141,6 +141,7 @@ def test_shared_prompt_forward_equals_the_full_forward():
             ep.extend(actions.tolist(), action=True, logprobs=[0.0] * len(actions), versions=[0] * len(actions))
             ep.extend(encode(f"={turn}\n"))
         episodes.append(ep)
+    episodes.insert(1, copy.deepcopy(episodes[0]))  # a group's episodes often sample the very same tokens
     batch = collate(episodes, tok.pad_token_id)
     rows_seen = []
     hook = model.model.register_forward_pre_hook(lambda m, args, kw: rows_seen.append(tuple(kw["input_ids"].shape)),
@@ -155,9 +156,11 @@ def test_shared_prompt_forward_equals_the_full_forward():
                    position_ids=batch["position_ids"]).logits[:, :-1]
     full = torch.log_softmax(logits, -1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
     full[mask].sum().backward()
-    # Three distinct prompts: "Q 12+5", "Q 7*8" and "Q 12+6" (the last token of each prompt starts the suffix).
+    # Three distinct prompts: "Q 12+5", "Q 7*8" and "Q 12+6" (the last token of each prompt starts the suffix), and
+    # six distinct episodes out of seven.
     split = batch["prompt_width"] - 1
     assert rows_seen == [(3, split), (6, batch["input_ids"].shape[1] - split)]
+    assert torch.equal(logp[0], logp[1]) and (logp[0] != 0).any()
     assert mask.sum() == sum(e.n_actions for e in episodes) and mask[:, :split].sum() == 0
     assert (logp[mask] - full[mask]).abs().max() <= 1e-5
     for shared, p in zip(shared_grads, model.parameters()):
@@ -242,6 +245,27 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
     assert 0 not in trained_groups
 
 
+def test_the_trainer_takes_the_oldest_buffered_group_first():
+    """Earliest deadline first: of the finished groups, the one nearest the staleness bound is trained first (fresher
+    ones can still wait), so a slow group is not overtaken until it has to be dropped."""
+    cfg = loop_mod.RunConfig.model_validate(
+        {"env": "max_digit", "loop": {**SMALL, "groups_per_step": 1, "max_staleness": 2}, "warm_start": {"steps": 0}})
+    run = loop_mod.Run(cfg, loop_mod.NullSink())
+    run.version = 2
+
+    def group(index, version):
+        episodes = [Episode(seed=index, group=index) for _ in range(2)]
+        for ep in episodes:
+            ep.extend([5])
+            ep.extend([6], action=True, logprobs=[-0.1], versions=[version])
+        return episodes
+    run.buffer = [group(0, 2), group(1, 0), group(2, 1)]  # in order of completion
+    batch, _ = asyncio.run(run.next_batch())
+    assert [g[0].group for g in batch] == [1]
+    assert [g[0].group for g in run.buffer] == [0, 2]
+    assert run.counts["stale_dropped"] == 0
+
+
 def run_with_swap_after_3_steps(sampler, reqs, new):
     """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps."""
     sampler.pending += reqs
@@ -259,15 +283,20 @@ def test_weight_swap_mid_generation_tags_versions():
     sampler = Sampler(copy.deepcopy(old), tok.eos_token_id, tok.pad_token_id, temperature=1.0, version=0)
     context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
     other = tok("9 2=", add_special_tokens=False)["input_ids"]
-    # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text). Two
-    # share their context, so the join's prefill runs it once for both.
+    # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text). Four
+    # share their context, so the join's prefill runs it once for all; two of those are greedy, generate the same
+    # tokens and so share one cache row all the way.
     reqs = [Request(context, 8, False, torch.Generator().manual_seed(0)),
             Request(other, 8, False, torch.Generator().manual_seed(1)),
-            Request(context, 8, False, torch.Generator().manual_seed(2))]
+            Request(context, 8, False, torch.Generator().manual_seed(2)),
+            Request(context, 8, True, torch.Generator().manual_seed(3)),
+            Request(context, 8, True, torch.Generator().manual_seed(4))]
     rows = []
     sampler.model.model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape), with_kwargs=True)
     run_with_swap_after_3_steps(sampler, reqs, new)
     assert rows[0] == (2, len(context))  # the join's prefill: the distinct contexts only
+    assert reqs[3].ids == reqs[4].ids
+    assert max(n for n, _ in rows[1:]) <= 4 and rows[1][1] == 1  # decode steps: never a row per request
     for req in reqs:
         n = len(req.ids)
         assert n > 3  # the swap really happened mid-generation
