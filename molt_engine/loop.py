@@ -323,9 +323,7 @@ class Run:
                 if self.stopping:
                     self.buffer[:0] = batch
                     return None
-                # Oldest first: a group near the staleness bound is trained while it still may be; fresher ones can wait.
-                group = min(self.buffer, key=lambda g: min(e.oldest_version for e in g))
-                self.buffer.remove(group)
+                group = self.buffer.pop(0)
                 stale = self.version - min(e.oldest_version for e in group) > cfg.loop.max_staleness
                 flat = cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
                 if stale or flat:

@@ -245,27 +245,6 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
     assert 0 not in trained_groups
 
 
-def test_the_trainer_takes_the_oldest_buffered_group_first():
-    """Earliest deadline first: of the finished groups, the one nearest the staleness bound is trained first (fresher
-    ones can still wait), so a slow group is not overtaken until it has to be dropped."""
-    cfg = loop_mod.RunConfig.model_validate(
-        {"env": "max_digit", "loop": {**SMALL, "groups_per_step": 1, "max_staleness": 2}, "warm_start": {"steps": 0}})
-    run = loop_mod.Run(cfg, loop_mod.NullSink())
-    run.version = 2
-
-    def group(index, version):
-        episodes = [Episode(seed=index, group=index) for _ in range(2)]
-        for ep in episodes:
-            ep.extend([5])
-            ep.extend([6], action=True, logprobs=[-0.1], versions=[version])
-        return episodes
-    run.buffer = [group(0, 2), group(1, 0), group(2, 1)]  # in order of completion
-    batch, _ = asyncio.run(run.next_batch())
-    assert [g[0].group for g in batch] == [1]
-    assert [g[0].group for g in run.buffer] == [0, 2]
-    assert run.counts["stale_dropped"] == 0
-
-
 def run_with_swap_after_3_steps(sampler, reqs, new):
     """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps."""
     sampler.pending += reqs
