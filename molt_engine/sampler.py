@@ -182,11 +182,12 @@ class Sampler:
         self.active = keep
         self.last = torch.tensor([token for _, token in rows])
         parent = [row for row, _ in rows]
-        start = int((self.mask[parent].sum(0) > 0).nonzero()[0])
+        mask = self.mask[parent]
+        start = int((mask.sum(0) > 0).nonzero()[0])
         if parent == list(range(len(self.mask))) and start == 0:
             return  # nothing diverged, finished or emptied: the cache stays as it is
         index = torch.tensor(parent)
         for layer in self.cache.layers:
             layer.keys = layer.keys[index, :, start:]
             layer.values = layer.values[index, :, start:]
-        self.mask = self.mask[index, start:]
+        self.mask = mask[:, start:]
