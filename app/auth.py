@@ -1,4 +1,4 @@
-"""The token (DESIGN §5): where it comes from, how a request proves it, the session cookie and the CSRF token."""
+"""The token: where it comes from, how a request proves it, the session cookie and the CSRF token."""
 import hashlib
 import hmac
 import os

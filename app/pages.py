@@ -17,7 +17,7 @@ from daemon.models import ACTIVE, STATUSES, TERMINAL
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
 
-TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent / "templates")  # autoescape is on
+TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
 router = APIRouter(include_in_schema=False)
 

@@ -1,4 +1,4 @@
-"""The REST contract of DESIGN §5 under /api/v1: JSON in and out, the token required everywhere but /health."""
+"""The REST API under /api/v1 (documented at /docs): JSON in and out, the token required everywhere but /health."""
 import asyncio
 import csv
 import io
@@ -44,7 +44,7 @@ class EnvInfo(Out):
 
 
 class RunCreate(BaseModel):
-    # strict: `false` must not become 0 (RECIPES); extra=forbid: a misspelt key is an error, not ignored
+    # strict: `false` must not become 0; extra=forbid: a misspelt key is an error, not ignored
     model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [
         {"name": "first", "config": {"env": "max_digit", "model": {"preset": "tiny-dense"}, "loop": {"steps": 60},
                                      "seed": 0}, "tags": ["demo"]}]})

@@ -32,7 +32,7 @@ def openapi(app):
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_fuzz(case):
     CASES.append(case.operation.label)
-    excluded = [schemathesis.checks.allow_header_conformance]  # FastAPI's 405 has no Allow header (RECIPES)
+    excluded = [schemathesis.checks.allow_header_conformance]  # FastAPI's 405 has no Allow header
     if case.operation.label == "POST /api/v1/runs":
         # a config that fits the JSON schema may still be refused: the env must be registered, and cross-field
         # rules (group_size >= 2 for group estimators, env_args the env accepts) are beyond JSON Schema

@@ -1,4 +1,4 @@
-"""The token-first contract's invariants (DESIGN §1): token, logprob and version consistency, proven on real runs."""
+"""The token-first contract's invariants: token, logprob and version consistency, proven on real runs."""
 import asyncio
 import copy
 

@@ -1,4 +1,4 @@
-"""Engine robustness (DESIGN §3): exact resume, kill -9 safety, SIGTERM, the gradient-norm breaker, alerts, drills."""
+"""Engine robustness: exact resume, kill -9 safety, SIGTERM, the gradient-norm breaker, alerts, drills."""
 import json
 import math
 import random
