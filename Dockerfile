@@ -3,7 +3,7 @@
 #   docker build -t molt-cuda --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .   # CUDA torch
 #   docker run -p 8000:8000 -v molt-data:/data -e MOLT_TOKEN=... molt     (then run with --gpus all for CUDA)
 # Without MOLT_TOKEN a token is generated into /data/token and printed in the log with the URL to open.
-# Stopping checkpoints the running worker first: give it time (docker stop -t 60).
+# Stopping checkpoints the running worker first: give it time (docker stop -t 150; --stop-grace is 120 s).
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
@@ -19,18 +19,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN useradd --create-home --uid 1000 molt \
     && mkdir /data && chown molt:molt /data
 
-WORKDIR /app
 # torch first, from the index the build arg names: its own layer, reused when only the code changes
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
-COPY pyproject.toml README.md alembic.ini ./
+# the project, installed (not editable: templates and migrations ship inside it) at the versions constraints.txt
+# pins; the sources go, so nothing but site-packages is imported at run time
+WORKDIR /src
+COPY constraints.txt pyproject.toml README.md ./
 COPY molt_engine ./molt_engine
 COPY daemon ./daemon
 COPY app ./app
+COPY templates ./templates
 COPY migrations ./migrations
-# editable: the daemon finds migrations/ beside its package and starts workers from this directory
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -c constraints.txt . \
+    && rm -rf /src/*
 
+WORKDIR /home/molt
 USER 1000:1000
 VOLUME ["/data"]
 EXPOSE 8000

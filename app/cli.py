@@ -10,9 +10,10 @@ import threading
 import time
 from pathlib import Path
 
-# `molt runs create --wait` / `molt runs wait`: the exit status says how the run ended
+# `molt train`, `molt runs create --wait` / `molt runs wait`: the exit status says how the run ended
 EXIT_CODES = {"completed": 0, "failed": 1, "tripped": 3, "stopped": 4}
 EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_TIMEOUT = 2, 5, 124
+STOP_GRACE = 120.0  # seconds a stopping worker gets to finish its step and checkpoint before SIGKILL
 
 
 def main(argv=None):
@@ -30,14 +31,15 @@ def main(argv=None):
     t.add_argument("--out", type=Path, help="output directory (default runs/<env>-<time>)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out (its saved config is used unless --config)")
+    envs_option(t)
     t.set_defaults(func=cmd_train)
 
     s = commands.add_parser("serve", help="the dashboard and its daemon in one command (migrates the database, "
                                           "prints the URL to open; Ctrl-C stops both)")
     web_options(s)
     s.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
-    s.add_argument("--stop-grace", type=float, default=60.0,
-                   help="on Ctrl-C, seconds the running workers get to checkpoint and stop (default 60)")
+    s.add_argument("--stop-grace", type=float, default=STOP_GRACE,
+                   help=f"on Ctrl-C, seconds the running workers get to checkpoint and stop (default {STOP_GRACE:g})")
     s.set_defaults(func=cmd_serve)
 
     w = commands.add_parser("web", help="only the web app and REST API (run `molt daemon` beside it)")
@@ -55,7 +57,7 @@ def main(argv=None):
     r.add_argument("--url", default=os.environ.get("MOLT_URL", "http://127.0.0.1:8000"),
                    help="the server (default $MOLT_URL, else http://127.0.0.1:8000)")
     r.add_argument("--token", default=None,
-                   help="default $MOLT_TOKEN, else the token file of the local data directory ($MOLT_HOME or ./var)")
+                   help="default $MOLT_TOKEN, else the token file of the local data directory ($MOLT_HOME, else the user data directory)")
     rc = r.add_subparsers(dest="runs_command", required=True)
     c = rc.add_parser("create", help="queue a run from a JSON config")
     c.add_argument("--config", type=Path, required=True, help="a run config (or a request body with a config key)")
@@ -89,8 +91,27 @@ def main(argv=None):
     sys.exit(args.func(args))
 
 
+def envs_option(p):
+    p.add_argument("--envs", action="append", type=Path, metavar="DIR",
+                   help="a directory of your own envs (*.py files), repeatable; default $MOLT_ENVS. Every process "
+                        "molt starts (daemon, workers) loads it too")
+
+
+def use_envs(dirs: list[Path] | None, who: str):
+    """--envs: exported as $MOLT_ENVS for this process and all it starts, loaded now to say what it holds."""
+    from molt_engine.envs import ENVS, load_user_envs
+    before = set(ENVS)
+    errors = load_user_envs(dirs)
+    if os.environ.get("MOLT_ENVS"):
+        print(f"{who}: envs from {os.environ['MOLT_ENVS']}: {', '.join(sorted(set(ENVS) - before)) or 'none'}",
+              flush=True)
+    for error in errors.values():
+        print(f"{who}: env file failed to load: {error}", file=sys.stderr, flush=True)
+
+
 def web_options(p):
-    p.add_argument("--home", help="data directory (default $MOLT_HOME, else ./var)")
+    envs_option(p)
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--webhook-url", default=os.environ.get("MOLT_WEBHOOK_URL"),
@@ -105,6 +126,7 @@ def cmd_serve(args) -> int:
     from daemon.api import Api
     records = Api(args.home)  # applies the migrations before anything else touches the database
     print(f"molt serve: data directory {records.home}", flush=True)
+    use_envs(args.envs, "molt serve")
     resume_interrupted(records)
     daemon_proc = start_daemon(records.home, args)
     try:
@@ -117,6 +139,8 @@ def cmd_serve(args) -> int:
 def cmd_web(args) -> int:
     from daemon.api import Api
     home = Api(args.home).home
+    print(f"molt web: data directory {home}", flush=True)
+    use_envs(args.envs, "molt web")
     if not Api(home, migrate=False).daemon_status()["running"]:
         print("molt web: no daemon owns this data directory yet: queued runs wait until `molt daemon` runs",
               file=sys.stderr)
@@ -125,7 +149,8 @@ def cmd_web(args) -> int:
 
 
 def start_daemon(home: Path, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "daemon", "--home", str(home), "--concurrency", str(args.concurrency)]
+    cmd = [sys.executable, "-m", "daemon", "--home", str(home), "--concurrency", str(args.concurrency),
+           "--stop-grace", str(args.stop_grace)]  # $MOLT_ENVS reaches it through the environment
     # its own session: a Ctrl-C in this terminal must reach only us, so that we stop the runs in order
     proc = subprocess.Popen(cmd, start_new_session=True)
     print(f"molt serve: daemon started (pid {proc.pid})", flush=True)
@@ -352,9 +377,15 @@ RUNS_COMMANDS = {
 
 
 def cmd_train(args) -> int:
+    # transformers' own bars ("Loading weights", "Writing model shards") would break our progress line
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
     from molt_engine import RunConfig, config_errors, train
     from molt_engine.config import ValidationError
 
+    hf_logging.disable_progress_bar()
+    use_envs(args.envs, "molt train")
     if args.resume and not args.out:
         print("--resume needs --out, the directory of the run to continue", file=sys.stderr)
         return 2
@@ -387,7 +418,7 @@ def cmd_train(args) -> int:
     finally:
         sink.bar.close()
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
-    return 0
+    return EXIT_CODES[summary["status"]]
 
 
 class ProgressSink:

@@ -168,7 +168,9 @@ def non_default(config: dict, defaults: dict) -> dict:
 def launch_context(values: dict, advanced: str, errors: dict | None = None, name: str = "", tags: str = "",
                    max_restarts: str = "") -> dict:
     from molt_engine import ENVS, RunConfig
+    from molt_engine.envs import load_user_envs
     from molt_engine.models import PRESETS
+    load_user_envs()  # the user's env directories (--envs): a file added or fixed since start is offered now
     defaults = RunConfig(env="max_digit").model_dump(mode="json")
     placeholders = {}
     for field, path, _, _ in FORM_FIELDS:

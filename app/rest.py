@@ -41,6 +41,7 @@ class EnvInfo(Out):
     description: str
     max_turns: int
     max_tokens: int
+    source: str | None = Field(description="the file of a user's env (from --envs); null for a built-in one")
 
 
 class RunCreate(BaseModel):
@@ -219,10 +220,15 @@ def health(request: Request):
 
 @protected.get("/envs", response_model=list[EnvInfo], tags=["meta"])
 def envs():
-    """The registered environments a config may name."""
-    from molt_engine import ENVS
+    """The environments a config may name: the built-in ones and those of the user's env directories (--envs)."""
+    import inspect
+
+    from molt_engine.envs import ENVS, load_user_envs
+    load_user_envs()  # a file added or fixed since the server started is listed now
     return [{"name": name, "description": ((cls.__doc__ or "").strip().splitlines() or [""])[0],
-             "max_turns": cls.max_turns, "max_tokens": cls.max_tokens} for name, cls in sorted(ENVS.items())]
+             "max_turns": cls.max_turns, "max_tokens": cls.max_tokens,
+             "source": None if cls.__module__.startswith("molt_engine.") else inspect.getsourcefile(cls)}
+            for name, cls in sorted(ENVS.items())]
 
 
 @protected.post("/runs", status_code=201, response_model=RunOut, tags=["runs"])

@@ -5,6 +5,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+import platformdirs
 from sqlalchemy import event, update
 from sqlalchemy.engine import Engine
 from sqlmodel import create_engine
@@ -16,8 +17,9 @@ BUSY_TIMEOUT_S = 30
 
 
 def data_home(home: str | Path | None = None) -> Path:
-    """The data directory: `home`, else $MOLT_HOME, else ./var (absolute, so workers agree with the daemon)."""
-    return Path(home or os.environ.get("MOLT_HOME") or "var").expanduser().resolve()
+    """The data directory: `home`, else $MOLT_HOME, else the user's data directory (e.g. ~/.local/share/molt),
+    absolute, so workers agree with the daemon wherever each was started."""
+    return Path(home or os.environ.get("MOLT_HOME") or platformdirs.user_data_dir("molt")).expanduser().resolve()
 
 
 def run_dir(home: Path, run_id: int) -> Path:

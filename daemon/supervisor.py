@@ -48,7 +48,7 @@ class Supervisor:
     workers it watches, so a daemon killed at any moment is replaced by a new one without losing anything."""
 
     def __init__(self, home: str | Path | None = None, *, concurrency: int = 1, heartbeat_timeout: float = 60.0,
-                 poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 30.0):
+                 poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 120.0):
         self.home = data_home(home)
         self.concurrency, self.heartbeat_timeout, self.poll = concurrency, heartbeat_timeout, poll
         self.backoff, self.backoff_max, self.stop_grace = backoff, backoff_max, stop_grace
@@ -311,21 +311,28 @@ class Supervisor:
 def cli_main(argv=None) -> int:
     """`molt daemon` / `python -m daemon`: supervise until SIGTERM or Ctrl-C."""
     p = argparse.ArgumentParser(prog="molt daemon", description="Run queued training runs as supervised workers.")
-    p.add_argument("--home", help="data directory (default $MOLT_HOME, else ./var)")
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     p.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0,
                    help="seconds without a heartbeat before a worker counts as hung and is restarted (default 60)")
     p.add_argument("--backoff", type=float, default=2.0,
                    help="seconds before the first restart; doubles with each further one (default 2)")
     p.add_argument("--backoff-max", type=float, default=60.0)
-    p.add_argument("--stop-grace", type=float, default=30.0,
-                   help="seconds a stopping worker gets to checkpoint and exit before SIGKILL (default 30)")
+    p.add_argument("--stop-grace", type=float, default=120.0,
+                   help="seconds a stopping worker gets to finish its step, checkpoint and exit before SIGKILL "
+                        "(default 120)")
+    p.add_argument("--envs", action="append", metavar="DIR",
+                   help="a directory of your own envs (*.py), repeatable; default $MOLT_ENVS. Every worker loads it")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the database (default 0.5)")
     a = p.parse_args(argv)
     if a.concurrency < 1:
         p.error("--concurrency must be at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    if a.envs or os.environ.get("MOLT_ENVS"):  # else the daemon needs nothing of the engine
+        from molt_engine.envs import load_user_envs
+        for error in load_user_envs(a.envs).values():  # said at start; a run naming it is refused at submit
+            log.error("env file failed to load: %s", error)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m daemon.worker")
     p.add_argument("run_id", type=int)
     p.add_argument("--attempt", type=int, required=True, help="the attempt row's id")
-    p.add_argument("--home", help="data directory (default $MOLT_HOME or ./var)")
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     args = p.parse_args(argv)
     home = data_home(args.home)
     directory = run_dir(home, args.run_id)

@@ -1,4 +1,5 @@
 """The run configuration: one validated pydantic model, so bad input fails before any work with the field named."""
+import inspect
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -130,9 +131,12 @@ class RunConfig(_Strict):
     @field_validator("env")
     @classmethod
     def _known_env(cls, v):
-        from .envs import ENVS
+        from .envs import ENVS, LOAD_ERRORS, load_user_envs
         if v not in ENVS:
-            raise ValueError(f"unknown env {v!r}; known: {', '.join(sorted(ENVS))}")
+            load_user_envs()  # a user's env directory ($MOLT_ENVS), tried again: a file may have been fixed
+        if v not in ENVS:
+            failed = f"; env files that failed to load: {'; '.join(LOAD_ERRORS.values())}" if LOAD_ERRORS else ""
+            raise ValueError(f"unknown env {v!r}; known: {', '.join(sorted(ENVS))}{failed}")
         return v
 
     @model_validator(mode="after")
@@ -140,11 +144,14 @@ class RunConfig(_Strict):
         from .algo import GROUP_ESTIMATORS
         if self.loop.group_size < 2 and self.algo.estimator in GROUP_ESTIMATORS:
             raise ValueError(f"loop.group_size must be >= 2 with the group estimator {self.algo.estimator!r}")
-        from .envs import make_env
+        from .envs import ENVS, make_env, where
         try:
             make_env(self.env, self.env_args)
         except (TypeError, ValueError) as e:
             raise ValueError(f"env_args: {e}") from None
+        except Exception as e:  # a user's constructor: say where it failed
+            file = inspect.getsourcefile(ENVS[self.env]) or "?"
+            raise ValueError(f"env {self.env!r} failed to start: {where(e, file)}") from None
         return self
 
 

@@ -1,9 +1,11 @@
 """Environments the agents train on: the Env contract, the registry, and the built-in envs (text, and one with images)."""
 import asyncio
 import importlib.util
+import os
 import random
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,9 +71,28 @@ def make_env(name: str, args: dict | None = None) -> Env:
     return ENVS[name](**(args or {}))
 
 
+class EnvLoadError(ImportError):
+    """Env files that failed to import: `errors` maps each file to `file:line: Type: message`."""
+
+    def __init__(self, errors: dict[str, str]):
+        super().__init__("; ".join(errors.values()))
+        self.errors = errors
+
+
+def where(e: BaseException, file: str) -> str:
+    """`file:line: Type: message`, at the deepest line of `file` the error came through (a user's own code)."""
+    if isinstance(e, SyntaxError) and e.filename == file:
+        line = e.lineno
+    else:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == file), "?")
+    return f"{file}:{line}: {type(e).__name__}: {e}"
+
+
 def load_agents_dir(path) -> list[str]:
-    """Import every *.py file of a local directory; return the env names they registered."""
+    """Import every *.py file of a local directory; return the env names they registered. A file that fails does
+    not stop the others: they all load first, then one EnvLoadError names each failed file and line."""
     before = set(ENVS)
+    errors = {}
     for file in sorted(Path(path).resolve().glob("*.py")):
         module_name = f"molt_agents.{file.stem}"
         loaded = sys.modules.get(module_name)
@@ -82,12 +103,38 @@ def load_agents_dir(path) -> list[str]:
         module = importlib.util.module_from_spec(spec)
         # Registered before exec so that dataclasses and pickling inside the file can find it.
         sys.modules[module_name] = module
+        registered = set(ENVS)
         try:
             spec.loader.exec_module(module)
-        except BaseException:
+        except Exception as e:
             del sys.modules[module_name]
-            raise
+            for name in set(ENVS) - registered:  # half-run: the next try registers them again
+                del ENVS[name]
+            errors[str(file)] = where(e, str(file))
+    if errors:
+        raise EnvLoadError(errors)
     return [name for name in ENVS if name not in before]
+
+
+LOAD_ERRORS: dict[str, str] = {}  # file -> why it failed, as of the latest load_user_envs()
+
+
+def load_user_envs(dirs: list | None = None) -> dict[str, str]:
+    """Load the env directories named in $MOLT_ENVS (os.pathsep-separated), as every molt process does: files that
+    failed before are tried again. `dirs` (the CLI's --envs) replace $MOLT_ENVS first, for the processes this one
+    starts too. Returns (and keeps in LOAD_ERRORS) the failures."""
+    if dirs:
+        os.environ["MOLT_ENVS"] = os.pathsep.join(str(Path(d).resolve()) for d in dirs)
+    LOAD_ERRORS.clear()
+    for directory in filter(None, os.environ.get("MOLT_ENVS", "").split(os.pathsep)):
+        if not Path(directory).is_dir():
+            LOAD_ERRORS[directory] = f"{directory}: not a directory"
+            continue
+        try:
+            load_agents_dir(directory)
+        except EnvLoadError as e:
+            LOAD_ERRORS.update(e.errors)
+    return LOAD_ERRORS
 
 
 def _parse_int(text: str) -> int | None:

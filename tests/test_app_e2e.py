@@ -3,11 +3,12 @@ uses, `molt runs create --wait` exit statuses, and Ctrl-C stopping both halves w
 import csv
 import io
 import json
+import os
 import subprocess
 
 import pytest
 
-from app_support import FAILS, FAST, child_env, molt, serve
+from app_support import FAILS, FAST, TRIPS, child_env, molt, serve
 from conftest import wait_until
 
 
@@ -95,6 +96,8 @@ def test_ctrl_c_stops_the_worker_with_a_checkpoint_then_the_daemon_and_the_next_
         wait_until(lambda: served.client.get(f"/api/v1/runs/{run['id']}").json()["step"] >= 3, 90,
                    message="the run to train a few steps")
         daemon_pid = json.loads(served.client.get("/api/v1/health").text)["daemon"]["pid"]
+        daemon_args = open(f"/proc/{daemon_pid}/cmdline").read().split("\0")
+        assert daemon_args[daemon_args.index("--stop-grace") + 1] == "120.0"  # serve's grace reaches the daemon
         assert served.interrupt() == 0, served.output
         assert "molt serve: run %d stopped" % run["id"] in served.output, served.output
     from daemon.api import Api
@@ -118,3 +121,15 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_molt_train_exits_3_when_the_run_trips_and_only_its_own_bar_shows(tmp_path):
+    trips = tmp_path / "trips.json"
+    trips.write_text(json.dumps(TRIPS))
+    env = {k: v for k, v in os.environ.items() if k not in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS")}
+    done = subprocess.run(molt("train", "--config", str(trips), "--out", str(tmp_path / "run")), capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 3, done.stderr
+    assert '"status": "tripped"' in done.stdout
+    assert any((tmp_path / "run" / "checkpoints").glob("step-*"))  # it saved policies, with no bar of their own
+    assert "step" in done.stderr and "Writing model shards" not in done.stderr and "Loading weights" not in done.stderr

@@ -1,0 +1,117 @@
+"""A user's own env directory (--envs / $MOLT_ENVS): loaded by every process, listed, launched, and broken files named."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pydantic import ValidationError
+
+from app_support import FAST, ROOT, child_env, molt, serve
+from molt_engine import ENVS, RunConfig, load_agents_dir
+from molt_engine.envs import EnvLoadError
+
+ECHO = '''
+from molt_engine import Env, Observation, Result, register
+
+
+@register
+class UserEcho(Env):
+    """Say the seed's last digit."""
+    name = "user_echo"
+    max_turns, max_tokens = 1, 4
+
+    async def reset(self, seed):
+        self.answer = str(seed % 10)
+        return Observation(f"say {self.answer}:")
+
+    async def step(self, action):
+        return Result(reward=float(action == self.answer), terminated=True)
+
+    def demonstration(self, seed):
+        return [str(seed % 10)]
+'''
+BROKEN = '''
+from molt_engine import Env, register
+
+x = 1
+def oops(:
+    pass
+'''
+FAILS_TO_START = '''
+from molt_engine import Env, register
+
+
+@register
+class UserFragile(Env):
+    name = "user_fragile"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        raise RuntimeError("no API key for the tool")
+'''
+
+
+@pytest.fixture
+def env_dir(tmp_path):
+    """A directory with one good env, one file with a syntax error (line 5) and one env whose constructor raises;
+    whatever it registers is removed afterwards, so other tests see the built-in envs only."""
+    (tmp_path / "echo.py").write_text(ECHO)
+    (tmp_path / "broken.py").write_text(BROKEN)
+    (tmp_path / "fragile.py").write_text(FAILS_TO_START)
+    before = set(ENVS)
+    yield tmp_path
+    for name in set(ENVS) - before:
+        del ENVS[name]
+    for module in [m for m in sys.modules if m.startswith("molt_agents.")]:
+        del sys.modules[module]
+
+
+def test_a_broken_file_is_named_with_its_line_and_the_others_still_load(env_dir):
+    with pytest.raises(EnvLoadError) as failed:
+        load_agents_dir(env_dir)
+    assert list(failed.value.errors) == [str(env_dir / "broken.py")]
+    assert failed.value.errors[str(env_dir / "broken.py")].startswith(f"{env_dir / 'broken.py'}:5: SyntaxError")
+    assert {"user_echo", "user_fragile"} <= set(ENVS)
+
+
+def test_an_env_whose_constructor_raises_is_refused_naming_the_file_and_line(env_dir):
+    with pytest.raises(EnvLoadError):
+        load_agents_dir(env_dir)
+    with pytest.raises(ValidationError) as refused:
+        RunConfig.model_validate({"env": "user_fragile"})
+    assert f"{env_dir / 'fragile.py'}:11: RuntimeError: no API key for the tool" in str(refused.value)
+
+
+def test_molt_train_refuses_an_env_of_a_broken_file_with_exit_2(env_dir):
+    (env_dir / "echo.py").unlink()
+    (env_dir / "fragile.py").unlink()
+    (env_dir / "broken.py").write_text(BROKEN + ECHO.replace("user_echo", "user_broken"))
+    done = subprocess.run(molt("train", "--envs", str(env_dir), "--env", "user_broken", "--out",
+                               str(env_dir / "out")), capture_output=True, text=True, cwd=ROOT,
+                          env=child_env(env_dir / "home"), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"{env_dir / 'broken.py'}:5: SyntaxError" in done.stderr
+    assert "unknown env 'user_broken'" in done.stderr
+
+
+def test_served_user_env_is_listed_launched_and_completes_beside_a_built_in_run(env_dir, tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    with serve(home, "--envs", str(env_dir)) as served:
+        assert f"{env_dir / 'broken.py'}:5: SyntaxError" in served.output  # said at start
+        envs = {e["name"]: e for e in served.client.get("/api/v1/envs").json()}
+        assert envs["user_echo"]["source"] == str(env_dir / "echo.py")
+        assert envs["max_digit"]["source"] is None
+
+        refused = served.client.post("/api/v1/runs", json={"config": {**FAST, "env": "user_fragile"}})
+        assert refused.status_code == 422
+        assert f"{env_dir / 'fragile.py'}:11: RuntimeError" in refused.text
+
+        (env_dir / "late.py").write_text(textwrap.dedent(BROKEN))  # added while serving: named at submit
+        refused = served.client.post("/api/v1/runs", json={"config": {**FAST, "env": "user_late"}})
+        assert refused.status_code == 422
+        assert f"{env_dir / 'late.py'}:5: SyntaxError" in refused.text
+
+        user = served.create({**FAST, "env": "user_echo", "loop": {**FAST["loop"], "steps": 10}})
+        built_in = served.create({**FAST, "loop": {**FAST["loop"], "steps": 10}})
+        assert served.wait(user["id"], timeout=300)["status"] == "completed"
+        assert served.wait(built_in["id"], timeout=300)["status"] == "completed"
