@@ -5,6 +5,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = ["RunConfig", "ValidationError", "config_errors"]
 
+# Here rather than next to what they name, so that validating a config needs neither torch nor transformers.
+PRESETS = ("tiny-dense", "tiny-moe", "tiny-vlm")     # built by models.PRESETS
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")      # advantage estimators that need group_size >= 2
+
 
 class _Strict(BaseModel):
     # Unknown keys are typos the user wants to hear about, and `false` must not silently become 0.0.
@@ -18,7 +22,6 @@ class ModelConfig(_Strict):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v):
-        from .models import PRESETS
         if v is not None and v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
         return v
@@ -137,7 +140,6 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        from .algo import GROUP_ESTIMATORS
         if self.loop.group_size < 2 and self.algo.estimator in GROUP_ESTIMATORS:
             raise ValueError(f"loop.group_size must be >= 2 with the group estimator {self.algo.estimator!r}")
         from .envs import make_env
