@@ -60,6 +60,9 @@ class AlgoConfig(_Strict):
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates")  # 5e-4: max_digit seed 1 stuck near 0.8
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    minibatches: int = Field(1, gt=0, description="optimizer steps per trainer step, each on a slice of the batch's "
+                             "groups; with more than one step per trainer step the PPO/GSPO clip acts")
+    epochs: int = Field(1, gt=0, description="passes over the batch per trainer step (each pass is minibatches steps)")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
     # MoE policies only (ignored for dense ones)
     routing_replay: bool = Field(True, description="MoE: the training forward uses the experts the sampler used")
@@ -142,6 +145,9 @@ class RunConfig(_Strict):
     def _consistent(self):
         if self.loop.group_size < 2 and self.algo.estimator in GROUP_ESTIMATORS:
             raise ValueError(f"loop.group_size must be >= 2 with the group estimator {self.algo.estimator!r}")
+        if self.algo.minibatches > self.loop.groups_per_step:
+            raise ValueError(f"algo.minibatches ({self.algo.minibatches}) must not exceed loop.groups_per_step "
+                             f"({self.loop.groups_per_step}): a minibatch holds whole groups")
         from .envs import make_env
         try:
             make_env(self.env, self.env_args)
