@@ -85,7 +85,7 @@ class WarmStartConfig(_Strict):
 
 class CheckpointConfig(_Strict):
     every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only on stop")
-    keep: int = Field(3, gt=0, description="newest checkpoints kept on disk (the best by eval reward is kept too)")
+    keep: int = Field(3, gt=0, description="newest checkpoints kept on disk (the policy of the best eval is kept in OUT/best)")
 
 
 class BreakerConfig(_Strict):

@@ -89,7 +89,7 @@ class Training:
         self.breaker = Breaker(cfg.breaker)
         self.alerts = Alerts(cfg.alerts)
         self.stopping = False
-        self.best: tuple[float, int] | None = None  # (eval reward, step) of the best checkpoint
+        self.best: tuple[float, int] | None = None  # (eval reward, step) of the best eval so far
         self.saved_at: int | None = None         # step of the newest checkpoint written or restored
         self.ckpt_dir = self.out_dir / "checkpoints" if self.out_dir else None
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
@@ -335,8 +335,9 @@ class Training:
         }
 
     async def evaluate(self, step: int):
-        """Greedy episodes on held-out seeds; they share the sampler but never the buffer or admission."""
-        n = self.cfg.loop.eval_episodes
+        """Greedy episodes on held-out seeds; they share the sampler but never the buffer or admission. When the
+        reward is the best so far, the evaluated weights are written to OUT/best."""
+        n, weights = self.cfg.loop.eval_episodes, self.published
         results = await asyncio.gather(*(self.rollout.episode(self.sampler, EVAL_SEEDS + i, -1, 0, greedy=True)
                                          for i in range(n)), return_exceptions=True)
         episodes = [r for r in results if isinstance(r, Episode)]
@@ -348,13 +349,17 @@ class Training:
             self.summary.update(values)
             if self.best is None or values["eval_reward"] > self.best[0]:
                 self.best = (values["eval_reward"], step)
+                if self.out_dir:
+                    await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.model, self.processor,
+                                            weights)
+                    self.summary.update(best_path=str(self.out_dir / "best"), best_step=step)
 
     async def finish(self):
         """Final eval on the final weights, then save them where plain transformers can load them."""
         if self.eval_task:
             await self.eval_task
         if self.cfg.loop.eval_every:
-            await self.evaluate(self.version)
+            await self.evaluate(self.step)
         self.summary["status"] = "completed"
         if self.out_dir:
             final = self.out_dir / "final"
@@ -380,8 +385,7 @@ class Training:
         t0 = time.perf_counter()
         path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.model, self.processor, state,
                                        self.reference)
-        best = f"step-{self.best[1]:06d}" if self.best else None
-        await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep, best)
+        await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep)
         self.saved_at = self.step
         self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
                              seconds=time.perf_counter() - t0)

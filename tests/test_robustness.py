@@ -79,6 +79,29 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
+def test_best_policy_is_kept_whenever_eval_improves_and_final_eval_is_at_its_step(tmp_path, monkeypatch):
+    """Evals at steps 0, 3, 6 (never a checkpoint step) and a final one at step 7, though a NaN drill left the
+    version at 6: OUT/best holds exactly the weights the best eval ran on."""
+    published = {}  # version -> the weights the sampler got for it
+    real_init, real_publish = Sampler.__init__, Sampler.publish
+
+    def init(self, model, *args, **kw):
+        published[kw["version"]] = {k: v.clone() for k, v in model.state_dict().items()}
+        real_init(self, model, *args, **kw)
+    monkeypatch.setattr(Sampler, "__init__", init)
+    monkeypatch.setattr(Sampler, "publish", lambda self, w, v: published.update({v: w}) or real_publish(self, w, v))
+    sink = Recorder()
+    summary = train(config(loop={"steps": 7, "eval_every": 3, "eval_episodes": 16}, drills={"nan_at": [1]},
+                           checkpoint={"every": 5}), sink, out_dir=tmp_path)
+    evals = {step: v["eval_reward"] for step, v in sink.steps.items() if "eval_reward" in v}
+    assert sorted(evals) == [0, 3, 6, 7] and summary["version"] == 6
+    best_step = max(evals, key=lambda step: (evals[step], -step))  # the first of the best
+    assert summary["best_step"] == best_step and summary["best_path"] == str(tmp_path / "best")
+    expected = published[sink.steps[best_step - 1]["version"] if best_step else 0]
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "best").state_dict()
+    assert best.keys() == expected.keys() and all(torch.equal(best[k], expected[k]) for k in best)
+
+
 def test_checkpoint_loads_with_plain_transformers_and_generates(tmp_path):
     train(config(loop={"steps": 2}, checkpoint={"every": 2}), out_dir=tmp_path)
     path = checkpoint.latest(tmp_path / "checkpoints") / "policy"
@@ -138,7 +161,7 @@ def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
         found = checkpoint.latest(root)
         state = checkpoint.load(found, AutoModelForCausalLM.from_pretrained(found / "policy"))
         assert state["step"] == int(found.name.split("-")[1])
-        assert len(list(root.glob("step-*"))) <= 2 + 1  # the last K, plus possibly the best
+        assert len(list(root.glob("step-*"))) <= 2  # the last K
         proc = molt_train(out, "--resume")
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     assert checkpoint.latest(root).name == "step-000060"
