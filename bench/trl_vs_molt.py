@@ -9,7 +9,7 @@
 #     python bench/trl_vs_molt.py --quick        # smoke test: tiny step counts, one seed
 #     python bench/trl_vs_molt.py --part 1 --seeds 0 --trl-threads 1 2 --max-seconds 120
 #
-# Every run starts from the same weights: the engine's own supervised warm start (Run.warm_start, 70 steps on env
+# Every run starts from the same weights: the engine's own supervised warm start (Training.warm_start, 70 steps on env
 # demonstrations) runs once per seed and is saved with save_pretrained, and every trainer loads that directory.
 # Timing starts after loading, at the start of RL, and never includes the warm start.
 import argparse
@@ -27,7 +27,7 @@ import transformers
 
 from molt_engine.config import ModelConfig, RunConfig, WarmStartConfig
 from molt_engine.envs import make_env
-from molt_engine.loop import NullSink, Run
+from molt_engine.loop import NullSink, Training
 from molt_engine.models import load_policy
 
 # The hyperparameters both trainers share in part 1; each is written once and mapped to both config spellings below.
@@ -116,10 +116,10 @@ def warm_started_policy(env: str, seed: int, out_dir: str, warm_start: dict) -> 
     """Build the tiny-dense preset for `seed`, run our engine's supervised warm start on it, save it to out_dir.
 
     This is exactly what `molt train` does before RL (load_policy(ModelConfig(preset="tiny-dense"), seed), then
-    Run.warm_start); saving it lets TRL and every configuration of ours start from identical weights.
+    Training.warm_start); saving it lets TRL and every configuration of ours start from identical weights.
     """
     cfg = RunConfig.model_validate({"env": env, "seed": seed, "warm_start": warm_start})
-    run = Run(cfg, NullSink())
+    run = Training(cfg, NullSink())
     asyncio.run(run.warm_start())
     run.model.save_pretrained(out_dir)
     run.tokenizer.save_pretrained(out_dir)
@@ -132,7 +132,7 @@ def run_ours(config: dict, max_seconds: float) -> dict:
         config = {**config, "checkpoint": {"every": 0}}
     cfg = RunConfig.model_validate(config)
     sink = BenchSink(Timeline(max_seconds))
-    run = Run(cfg, sink)   # loads the policy and sets torch threads (loop.threads): not timed, as for TRL
+    run = Training(cfg, sink)   # loads the policy and sets torch threads (loop.threads): not timed, as for TRL
     sink.timeline.start()
     try:
         asyncio.run(run.run())

@@ -1,7 +1,16 @@
 """molt_engine: a compact async RL engine for language-model agents (plain PyTorch + transformers, no server)."""
 from .config import RunConfig, config_errors
 from .envs import ENVS, Env, Observation, Result, load_agents_dir, register
-from .loop import EnvFailure, NullSink, Sink, train
 
 __all__ = ["ENVS", "Env", "EnvFailure", "NullSink", "Observation", "Result", "RunConfig", "Sink", "config_errors",
            "load_agents_dir", "register", "train"]
+
+_TRAINING = ("EnvFailure", "NullSink", "Sink", "train")
+
+
+def __getattr__(name):
+    # Training needs torch and transformers; validating a config or listing envs does not (the web process).
+    if name in _TRAINING:
+        from . import loop
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

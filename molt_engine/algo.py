@@ -2,8 +2,9 @@
 
 import torch
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_baseline")
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # need group_size >= 2
+from .config import GROUP_ESTIMATORS
+
+ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_baseline")
 IS_LEVELS = ("off", "token", "seq", "geo")
 IS_MODES = ("trunc", "clip", "mask")
 KL_ESTIMATORS = ("k1", "k2", "k3")

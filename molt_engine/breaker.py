@@ -21,9 +21,13 @@ class Breaker:
             limit = min(limit, max(self.cfg.floor, self.cfg.factor * statistics.median(self.healthy)))
         return limit
 
+    def refuses(self, norm: float) -> bool:
+        """Whether a pre-clip gradient norm must not be applied; records nothing (see `check`)."""
+        return not math.isfinite(norm) or norm > self.threshold()
+
     def check(self, step: int, norm: float) -> bool:
         """Record a step's pre-clip gradient norm; True if the step must not be applied."""
-        if not math.isfinite(norm) or norm > self.threshold():
+        if self.refuses(norm):
             self.trips.append(step)
             self.cooldown_left = self.cfg.cooldown
             return True

@@ -25,6 +25,18 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None) -
     return final
 
 
+def save_policy(path: Path, model, processor, weights: dict):
+    """Write `weights` (a state dict of `model`'s architecture) and the processor to `path`, loadable by plain
+    transformers; the previous contents are replaced whole."""
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=weights)
+    processor.save_pretrained(tmp)
+    _fsync_tree(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
 def latest(root: Path) -> Path | None:
     """The checkpoint `latest` points to; if a crash left it dangling, the newest complete one."""
     pointer = root / "latest"
@@ -43,13 +55,12 @@ def load(path: Path, model, reference=None) -> dict:
     return torch.load(path / "state.pt", weights_only=False)
 
 
-def prune(root: Path, keep: int, best: str | None = None):
-    """Keep the newest `keep` checkpoints and the best one; also sweep temp dirs left by a crash mid-write."""
+def prune(root: Path, keep: int):
+    """Keep the newest `keep` checkpoints; also sweep temp dirs left by a crash mid-write."""
     for tmp in root.glob(".tmp-step-*"):
         shutil.rmtree(tmp, ignore_errors=True)
     for old in sorted(root.glob("step-*"))[:-keep]:
-        if old.name != best:
-            shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def size_bytes(path: Path) -> int:

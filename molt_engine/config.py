@@ -6,6 +6,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = ["RunConfig", "ValidationError", "config_errors"]
 
+# Here rather than next to what they name, so that validating a config needs neither torch nor transformers.
+PRESETS = ("tiny-dense", "tiny-moe", "tiny-vlm")     # built by models.PRESETS
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")      # advantage estimators that need group_size >= 2
+
 
 class _Strict(BaseModel):
     # Unknown keys are typos the user wants to hear about, and `false` must not silently become 0.0.
@@ -19,7 +23,6 @@ class ModelConfig(_Strict):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v):
-        from .models import PRESETS
         if v is not None and v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
         return v
@@ -58,6 +61,9 @@ class AlgoConfig(_Strict):
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates")  # 5e-4: max_digit seed 1 stuck near 0.8
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    minibatches: int = Field(1, gt=0, description="optimizer steps per trainer step, each on a slice of the batch's "
+                             "groups; with more than one step per trainer step the PPO/GSPO clip acts")
+    epochs: int = Field(1, gt=0, description="passes over the batch per trainer step (each pass is minibatches steps)")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
     # MoE policies only (ignored for dense ones)
     routing_replay: bool = Field(True, description="MoE: the training forward uses the experts the sampler used")
@@ -80,7 +86,7 @@ class WarmStartConfig(_Strict):
 
 class CheckpointConfig(_Strict):
     every: int = Field(50, ge=0, description="steps between checkpoints; 0 = only on stop")
-    keep: int = Field(3, gt=0, description="newest checkpoints kept on disk (the best by eval reward is kept too)")
+    keep: int = Field(3, gt=0, description="newest checkpoints kept on disk (the policy of the best eval is kept in OUT/best)")
 
 
 class BreakerConfig(_Strict):
@@ -141,9 +147,11 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self):
-        from .algo import GROUP_ESTIMATORS
         if self.loop.group_size < 2 and self.algo.estimator in GROUP_ESTIMATORS:
             raise ValueError(f"loop.group_size must be >= 2 with the group estimator {self.algo.estimator!r}")
+        if self.algo.minibatches > self.loop.groups_per_step:
+            raise ValueError(f"algo.minibatches ({self.algo.minibatches}) must not exceed loop.groups_per_step "
+                             f"({self.loop.groups_per_step}): a minibatch holds whole groups")
         from .envs import ENVS, make_env, where
         try:
             make_env(self.env, self.env_args)

@@ -24,7 +24,7 @@ class Result:
     observation: str = ""  # feedback appended to the context as non-trained tokens ("" = none)
     terminated: bool = False
     truncated: bool = False
-    info: dict = field(default_factory=dict)  # e.g. {"tool_call": True}, {"success": True}
+    info: dict = field(default_factory=dict)  # e.g. {"tool_call": True}: counted in tool_call_rate
     images: list = field(default_factory=list)  # as Observation.images, for the feedback text
 
 
@@ -34,7 +34,7 @@ class Env:
     name: str = ""
     max_turns: int = 1  # policy turns per episode; the engine truncates after this many
     max_tokens: int = 8  # max generated tokens per policy turn (the turn also ends at eos)
-    success_reward: float = 1.0  # reward at or above which an episode counts as passed
+    success_reward: float = 1.0  # an episode whose reward reaches this counts as passed (pass_rate)
 
     def __init__(self, **kwargs):
         # Env args come from run configs, so a typo must fail loudly instead of being ignored.
@@ -143,7 +143,7 @@ def _parse_int(text: str) -> int | None:
 
 
 def _final(correct: bool) -> Result:
-    return Result(reward=1.0 if correct else 0.0, terminated=True, info={"success": correct})
+    return Result(reward=1.0 if correct else 0.0, terminated=True)
 
 
 @register
@@ -335,7 +335,7 @@ class Shapes(Env):
         self._turn += 1
         reward = float(correct) / self.max_turns
         if self._turn == self.max_turns:
-            return Result(reward=reward, terminated=True, info={"success": self._correct == self.max_turns})
+            return Result(reward=reward, terminated=True)
         text, images = self._observe(self._episode_scenes[self._turn])
         return Result(reward=reward, observation=("yes\n" if correct else "no\n") + text, images=images)
 

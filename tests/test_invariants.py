@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import molt_engine.loop as loop_mod
+import molt_engine.update as update_mod
 from molt_engine import Env, Observation, Result, train
 from molt_engine.envs import ENVS, Shapes
 from molt_engine.episode import Episode, collate, token_logprobs
@@ -22,7 +23,7 @@ SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 def capture(monkeypatch):
     """Record every batch the trainer collates and every generation the sampler returns."""
     seen = {"batches": [], "generations": [], "losses": []}
-    real_collate, real_generate, real_loss = loop_mod.collate, Sampler.generate, loop_mod.policy_loss
+    real_collate, real_generate, real_loss = update_mod.collate, Sampler.generate, update_mod.policy_loss
 
     def spy_collate(episodes, pad_id):
         batch = real_collate(episodes, pad_id)
@@ -38,9 +39,9 @@ def capture(monkeypatch):
         seen["losses"].append((logp.detach().clone(), behav.clone(), mask.clone()))
         return real_loss(logp, prox, behav, adv, mask, **kw)
 
-    monkeypatch.setattr(loop_mod, "collate", spy_collate)
+    monkeypatch.setattr(update_mod, "collate", spy_collate)
     monkeypatch.setattr(Sampler, "generate", spy_generate)
-    monkeypatch.setattr(loop_mod, "policy_loss", spy_loss)
+    monkeypatch.setattr(update_mod, "policy_loss", spy_loss)
     return seen
 
 
@@ -209,7 +210,7 @@ class Gated(Env):
 def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
     ENVS.setdefault("test_gated", Gated)
     k = 1
-    real_update = loop_mod.Run.update
+    real_update = loop_mod.Training.update
 
     ages = []  # trainer version - token version, for every trained token
 
@@ -219,7 +220,7 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
             token_logprobs(self.model, collate([e for g in groups for e in g], self.pad_id), 1.0)
         ages.extend(self.version - v for g in groups for e in g for v, a in zip(e.versions, e.is_action) if a)
         return real_update(self, groups)
-    monkeypatch.setattr(loop_mod.Run, "update", slow_update)
+    monkeypatch.setattr(loop_mod.Training, "update", slow_update)
 
     steps = []
 
@@ -233,7 +234,7 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
         Gated.gate = asyncio.Event()
         cfg = loop_mod.RunConfig.model_validate(
             {"env": "test_gated", "loop": {**SMALL, "steps": 8, "max_staleness": k}, "warm_start": {"steps": 0}})
-        return await loop_mod.Run(cfg, Sink()).run()
+        return await loop_mod.Training(cfg, Sink()).run()
     asyncio.run(run())
 
     assert len(ages) > 8 * 4 and max(ages) == k and min(ages) >= 0   # every trained token within the bound

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import molt_engine.loop as loop_mod
+import molt_engine.update as update_mod
 from molt_engine import train
 from molt_engine.config import ModelConfig
 from molt_engine.models import load_policy, routers
@@ -29,7 +29,7 @@ def routing(monkeypatch):
     """After every training forward: per checked action token, the experts used, the router's own choice and the
     sampler's record, all layers stacked ([tokens, layers, k])."""
     seen = []
-    real = loop_mod.routing_stats
+    real = update_mod.routing_stats
 
     def spy(layers, attention_mask, recorded, predicts_action):
         shape = (*recorded.shape[:2], -1)
@@ -39,7 +39,7 @@ def routing(monkeypatch):
                      "recorded": recorded[where]})
         return real(layers, attention_mask, recorded, predicts_action)
 
-    monkeypatch.setattr(loop_mod, "routing_stats", spy)
+    monkeypatch.setattr(update_mod, "routing_stats", spy)
     return seen
 
 

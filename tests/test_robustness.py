@@ -13,8 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import molt_engine.loop as loop_mod
+import molt_engine.rollout as rollout_mod
+import molt_engine.update as update_mod
 from molt_engine import EnvFailure, NullSink, RunConfig, train
 from molt_engine import checkpoint
+from molt_engine.alerts import Alerts
 from molt_engine.breaker import Breaker
 from molt_engine.sampler import Sampler
 from conftest import wait_until
@@ -59,8 +62,9 @@ def final_weights(out):
 def test_resume_is_exact(tmp_path, monkeypatch):
     """Interrupted at step 6 and resumed: same prompts in the same order, same final weights (<= 1e-6)."""
     trained = []
-    real_collate = loop_mod.collate
-    monkeypatch.setattr(loop_mod, "collate", lambda eps, pad: trained.append([e.seed for e in eps]) or real_collate(eps, pad))
+    real_collate = update_mod.collate
+    for module in (rollout_mod, update_mod):  # warm-start batches, then RL batches
+        monkeypatch.setattr(module, "collate", lambda eps, pad: trained.append([e.seed for e in eps]) or real_collate(eps, pad))
     cfg = config(loop={"steps": 12}, checkpoint={"every": 6})
     train(cfg, out_dir=tmp_path / "straight")
     straight, trained[:] = list(trained), []
@@ -73,6 +77,29 @@ def test_resume_is_exact(tmp_path, monkeypatch):
     assert trained == straight  # warm-start batches first, then every RL batch: no prompt skipped or repeated
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
+def test_best_policy_is_kept_whenever_eval_improves_and_final_eval_is_at_its_step(tmp_path, monkeypatch):
+    """Evals at steps 0, 3, 6 (never a checkpoint step) and a final one at step 7, though a NaN drill left the
+    version at 6: OUT/best holds exactly the weights the best eval ran on."""
+    published = {}  # version -> the weights the sampler got for it
+    real_init, real_publish = Sampler.__init__, Sampler.publish
+
+    def init(self, model, *args, **kw):
+        published[kw["version"]] = {k: v.clone() for k, v in model.state_dict().items()}
+        real_init(self, model, *args, **kw)
+    monkeypatch.setattr(Sampler, "__init__", init)
+    monkeypatch.setattr(Sampler, "publish", lambda self, w, v: published.update({v: w}) or real_publish(self, w, v))
+    sink = Recorder()
+    summary = train(config(loop={"steps": 7, "eval_every": 3, "eval_episodes": 16}, drills={"nan_at": [1]},
+                           checkpoint={"every": 5}), sink, out_dir=tmp_path)
+    evals = {step: v["eval_reward"] for step, v in sink.steps.items() if "eval_reward" in v}
+    assert sorted(evals) == [0, 3, 6, 7] and summary["version"] == 6
+    best_step = max(evals, key=lambda step: (evals[step], -step))  # the first of the best
+    assert summary["best_step"] == best_step and summary["best_path"] == str(tmp_path / "best")
+    expected = published[sink.steps[best_step - 1]["version"] if best_step else 0]
+    best = AutoModelForCausalLM.from_pretrained(tmp_path / "best").state_dict()
+    assert best.keys() == expected.keys() and all(torch.equal(best[k], expected[k]) for k in best)
 
 
 def test_checkpoint_loads_with_plain_transformers_and_generates(tmp_path):
@@ -134,7 +161,7 @@ def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
         found = checkpoint.latest(root)
         state = checkpoint.load(found, AutoModelForCausalLM.from_pretrained(found / "policy"))
         assert state["step"] == int(found.name.split("-")[1])
-        assert len(list(root.glob("step-*"))) <= 2 + 1  # the last K, plus possibly the best
+        assert len(list(root.glob("step-*"))) <= 2  # the last K
         proc = molt_train(out, "--resume")
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     assert checkpoint.latest(root).name == "step-000060"
@@ -182,14 +209,14 @@ def test_breaker_rules():
 
 def slow_trainer_with_old_groups(monkeypatch, at_step):
     """Make the trainer wait at `at_step` until the buffer holds episodes of an older version (rollout ran ahead)."""
-    real_update = loop_mod.Run.update
+    real_update = loop_mod.Training.update
 
     def update(self, groups):
         if self.step == at_step:
             wait_until(lambda: any(min(e.oldest_version for e in g) < self.version for g in list(self.buffer)),
                        60, 0.02, "old episodes in the buffer")
         return real_update(self, groups)
-    monkeypatch.setattr(loop_mod.Run, "update", update)
+    monkeypatch.setattr(loop_mod.Training, "update", update)
 
 
 def test_spike_drill_skips_update_alerts_and_forces_sync(monkeypatch):
@@ -198,14 +225,14 @@ def test_spike_drill_skips_update_alerts_and_forces_sync(monkeypatch):
     real_publish = Sampler.publish
     monkeypatch.setattr(Sampler, "publish", lambda self, w, v: published.append((v, w)) or real_publish(self, w, v))
     admissions = []
-    real_may_start = loop_mod.Run.may_start
+    real_may_start = loop_mod.Training.may_start
 
     def may_start(self):
         ok = real_may_start(self)
         if ok:
             admissions.append((self.breaker.cooldown_left, self.cursor - self.dropped_groups, self.version))
         return ok
-    monkeypatch.setattr(loop_mod.Run, "may_start", may_start)
+    monkeypatch.setattr(loop_mod.Training, "may_start", may_start)
     slow_trainer_with_old_groups(monkeypatch, k)
     sink = Recorder()
     summary = train(config(loop={"steps": 20, "max_staleness": 2}, drills={"spike_at": [k]},
@@ -272,16 +299,20 @@ def test_healthy_default_runs_never_trip():
 
 # ---- staleness alerts and env errors --------------------------------------------------------------------------------
 
-def test_staleness_alert_fires_once_per_crossing():
-    run = loop_mod.Run(RunConfig.model_validate(config(alerts={"window": 2, "stale_share": 0.15})), Recorder())
+def test_staleness_alert_fires_once_per_crossing_and_resumes():
+    alerts = Alerts(RunConfig.model_validate(config(alerts={"window": 2, "stale_share": 0.15})).alerts)
     base = {"staleness_max": 0.0, "mismatch_kl": 0.0}
-    for step, dropped in enumerate([0, 8, 8, 0, 0, 8]):
-        run.check_alerts(step, {**base, "stale_dropped": dropped}, trained=16)
-    stale = [a for a in run.sink.alerts if a["kind"] == "staleness"]
+    fired = []
+    for step, dropped in enumerate([0, 8, 8, 0, 0]):
+        fired += alerts.check(step, {**base, "stale_dropped": dropped}, trained=16)
+    resumed = Alerts(alerts.cfg)  # a resumed run remembers the window and what is above threshold
+    resumed.load_state_dict(alerts.state_dict())
+    fired += resumed.check(5, {**base, "stale_dropped": 8}, trained=16)
+    stale = [data for kind, _, data in fired if kind == "staleness"]
     assert [a["step"] for a in stale] == [1, 5]   # crossed at 1, recovered at 4, crossed again at 5
     assert stale[0]["value"] == pytest.approx(8 / (8 + 32)) and stale[0]["threshold"] == 0.15
-    run.check_alerts(6, {**base, "stale_dropped": 0, "mismatch_kl": 0.5}, trained=16)
-    assert run.sink.alerts[-1]["kind"] == "mismatch" and run.sink.alerts[-1]["metric"] == "mismatch_kl"
+    [(kind, message, data)] = resumed.check(6, {**base, "stale_dropped": 0, "mismatch_kl": 0.5}, trained=16)
+    assert kind == "mismatch" and data["metric"] == "mismatch_kl" and "0.5" in message
 
 
 def test_env_errors_are_counted_and_too_many_stop_the_run():

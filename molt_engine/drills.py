@@ -1,0 +1,37 @@
+"""Injected faults (config `drills`), so that users and tests can prove the alarms and the supervisor work."""
+import math
+import os
+import time
+
+import torch
+
+
+def crash_or_hang(drills, step: int, out_dir):
+    """Crash and hang drills, each once per step unless crash_repeat (remembered across restarts on disk)."""
+    for kind, steps in (("crash", drills.crash_at), ("hang", drills.hang_at)):
+        if step not in steps:
+            continue
+        marker = out_dir / "drills" / f"{kind}-{step}" if out_dir else None
+        if marker and marker.exists() and not (kind == "crash" and drills.crash_repeat):
+            continue
+        if marker:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        if kind == "crash":
+            os._exit(1)
+        time.sleep(drills.hang_seconds)  # blocks the event loop on purpose: no heartbeat, no progress
+
+
+def poison_loss(drills, step: int, loss: torch.Tensor) -> torch.Tensor:
+    return loss * math.nan if step in drills.nan_at else loss
+
+
+def spike_gradient(drills, step: int, model):
+    """Add a gradient of norm spike_norm in a random direction, so that it spikes even a zero gradient."""
+    if step not in drills.spike_at:
+        return
+    params = [p for p in model.parameters() if p.grad is not None]
+    noise = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step + i)) for i, p in enumerate(params)]
+    scale = drills.spike_norm / float(torch.sqrt(sum((n ** 2).sum() for n in noise)))
+    for p, n in zip(params, noise):
+        p.grad.add_(n * scale)
