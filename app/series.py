@@ -14,7 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy import func, null, select
+from sqlalchemy import bindparam, func, null, select
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine
 
 from daemon.api import extremes
@@ -22,6 +23,45 @@ from daemon.models import BUCKET_SHIFTS, Event, Metric, MetricBucket
 
 REPLAY_EVENTS = ("resumed", "rollback")   # after these the engine rewrites steps that were already recorded
 NONFINITE_NAMES = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+class PlainQuery:
+    """A query built from the records' models, compiled once; its rows come as plain tuples from the DBAPI cursor,
+    which numpy converts ~20x faster than SQLAlchemy's Row objects."""
+
+    def __init__(self, query):
+        compiled = query.compile(dialect=sqlite.dialect())
+        self.sql, self.params = str(compiled), compiled.positiontup
+
+    def rows(self, conn: Connection, **params) -> list[tuple]:
+        cursor = conn.connection.cursor()
+        try:
+            return cursor.execute(self.sql, [params[name] for name in self.params]).fetchall()
+        finally:
+            cursor.close()
+
+
+# The queries, built once (each call then costs microseconds, not the milliseconds of building a statement)
+THE_SERIES = (Metric.run_id == bindparam("run_id"), Metric.name == bindparam("name"))
+SERIES_AFTER = PlainQuery(select(Metric.step, Metric.value, Metric.time)
+                          .where(*THE_SERIES, Metric.step > bindparam("after")).order_by(Metric.step))
+SERIES_RANGE = PlainQuery(select(Metric.step, Metric.value, Metric.time)
+                          .where(*THE_SERIES, Metric.step >= bindparam("start"), Metric.step < bindparam("end")))
+REPLAY_MARK = select(func.coalesce(func.max(Event.id), 0)).where(Event.run_id == bindparam("run_id"),
+                                                                 Event.kind.in_(REPLAY_EVENTS))
+THE_BUCKETS = (MetricBucket.run_id == bindparam("run_id"), MetricBucket.name == bindparam("name"),
+               MetricBucket.level == bindparam("level"), MetricBucket.bucket >= bindparam("first"))
+BUCKET_COUNT = select(func.count(), func.coalesce(func.sum(MetricBucket.n), 0)).where(*THE_BUCKETS)
+BUCKET_ROWS = PlainQuery(select(MetricBucket.lo_step, MetricBucket.lo_value, MetricBucket.lo_time,
+                                MetricBucket.hi_step, MetricBucket.hi_value, MetricBucket.hi_time,
+                                MetricBucket.nan_step, null(), MetricBucket.nan_time).where(*THE_BUCKETS))
+# A skip-scan (one index seek per name) instead of DISTINCT, which would read every row of the run
+_names = (select(func.min(Metric.name).label("name")).where(Metric.run_id == bindparam("run_id"))
+          .cte("n", recursive=True))
+_names = _names.union_all(select(select(func.min(Metric.name))
+                                 .where(Metric.run_id == bindparam("run_id"), Metric.name > _names.c.name)
+                                 .scalar_subquery()).where(_names.c.name.is_not(None)))
+METRIC_NAMES = select(_names.c.name).where(_names.c.name.is_not(None))
 
 
 @dataclass
@@ -49,15 +89,12 @@ class SeriesCache:
 
     def get(self, run_id: int, name: str) -> Series:
         with self._lock, self.engine.connect() as c:
-            mark = c.scalar(select(func.coalesce(func.max(Event.id), 0))
-                            .where(Event.run_id == run_id, Event.kind.in_(REPLAY_EVENTS)))
+            mark = c.scalar(REPLAY_MARK, {"run_id": run_id})
             cached = self._series.pop((run_id, name), None)
             if cached is None or cached.replay_mark != mark:
                 cached = Series(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), mark)
             after = int(cached.steps[-1]) if len(cached) else -(2 ** 62)
-            rows = plain_rows(c, select(Metric.step, Metric.value, Metric.time)
-                              .where(Metric.run_id == run_id, Metric.name == name, Metric.step > after)
-                              .order_by(Metric.step))
+            rows = SERIES_AFTER.rows(c, run_id=run_id, name=name, after=after)
             if rows:
                 table = np.array(rows, dtype=np.float64)  # NULL (None) becomes NaN, which is what it means
                 cached = Series(np.concatenate([cached.steps, table[:, 0].astype(np.int64)]),
@@ -89,24 +126,8 @@ class SeriesCache:
             total -= len(old)
 
 
-def plain_rows(conn: Connection, query) -> list[tuple]:
-    """The rows of a query (built from the records' models) as plain tuples from the DBAPI cursor, which numpy
-    converts ~20x faster than SQLAlchemy's Row objects."""
-    compiled = query.compile(conn, compile_kwargs={"render_postcompile": True})
-    cursor = conn.connection.cursor()
-    try:
-        return cursor.execute(str(compiled), [compiled.params[k] for k in compiled.positiontup]).fetchall()
-    finally:
-        cursor.close()
-
-
 def metric_names(conn: Connection, run_id: int) -> list[str]:
-    """The run's metric names. A skip-scan (one index seek per name) instead of DISTINCT, which would read every
-    row of the run."""
-    names = select(func.min(Metric.name).label("name")).where(Metric.run_id == run_id).cte("n", recursive=True)
-    following = select(func.min(Metric.name)).where(Metric.run_id == run_id, Metric.name > names.c.name)
-    names = names.union_all(select(following.scalar_subquery()).where(names.c.name.is_not(None)))
-    return list(conn.scalars(select(names.c.name).where(names.c.name.is_not(None))))
+    return list(conn.scalars(METRIC_NAMES, {"run_id": run_id}))
 
 
 def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | None = None,
@@ -118,20 +139,16 @@ def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | 
     start = -(2 ** 62) if after_step is None else after_step + 1
     first = start >> shift
     cut = start > first << shift
-    where = (MetricBucket.run_id == run_id, MetricBucket.name == name, MetricBucket.level == level,
-             MetricBucket.bucket >= first + cut)
+    buckets = {"run_id": run_id, "name": name, "level": level, "first": first + cut}
     # a bucket gives 1 to 3 points, mostly 2 (its min and max): counting first keeps a too-coarse level unread, and
     # a series of at most `enough` rows is better read whole
-    buckets, rows = conn.execute(select(func.count(), func.coalesce(func.sum(MetricBucket.n), 0)).where(*where)).one()
-    if 2 * buckets <= enough or rows <= enough:
+    count, rows = conn.execute(BUCKET_COUNT, buckets).one()
+    if 2 * count <= enough or rows <= enough:
         return None
     head = []
     if cut:
-        head = plain_rows(conn, select(Metric.step, Metric.value, Metric.time).where(
-            Metric.run_id == run_id, Metric.name == name, Metric.step >= start, Metric.step < (first + 1) << shift))
-    b = MetricBucket
-    rows = plain_rows(conn, select(b.lo_step, b.lo_value, b.lo_time, b.hi_step, b.hi_value, b.hi_time, b.nan_step,
-                                   null(), b.nan_time).where(*where))
+        head = SERIES_RANGE.rows(conn, run_id=run_id, name=name, start=start, end=(first + 1) << shift)
+    rows = BUCKET_ROWS.rows(conn, **buckets)
     # each row as 3 (step, value, time) triples; NULL (None) becomes NaN: a bucket without a min/max/NaN row (the
     # step), or the value of the NaN row, which is what it means
     table = np.concatenate([np.array(head, dtype=np.float64).reshape(-1, 3),
