@@ -17,17 +17,38 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.engine import Engine
+
+from daemon.models import Alert, Event, Metric, Run
 
 from .series import NONFINITE_NAMES, REPLAY_EVENTS, metric_names
 
 log = logging.getLogger("molt.app")
 POLL_S = 0.1
 QUEUE_MAX = 2000          # messages a slow viewer may lag behind before it is disconnected (it then reconnects)
-RUN_FIELDS = ("id", "name", "status", "step", "total_steps", "version", "reward", "restarts", "pid", "last_error",
-              "started_at", "finished_at")
 OVERFLOW = object()
 REPLAY_WATCH_S = 3600     # give up watching a replay that never catches up (e.g. the run was stopped meanwhile)
+
+# The poller's queries, built once (a poll then costs ~0.1 ms when nothing is new). `runs`: the watched run ids.
+METRIC_FIELDS = (Metric.id, Metric.run_id, Metric.name, Metric.step, Metric.value, Metric.time)
+NEWEST = {table: select(func.coalesce(func.max(table.id), 0)) for table in (Metric, Alert, Event)}
+NEW_METRICS = (select(*METRIC_FIELDS).where(Metric.id > bindparam("after"), Metric.id <= bindparam("newest"),
+                                             Metric.run_id.in_(bindparam("runs", expanding=True))).order_by(Metric.id))
+NEW_ALERTS = (select(Alert.id, Alert.run_id, Alert.time, Alert.step, Alert.kind, Alert.message, Alert.data,
+                     Alert.acknowledged).where(Alert.id > bindparam("after")).order_by(Alert.id))
+NEW_EVENTS = (select(Event.id, Event.run_id, Event.time, Event.step, Event.kind, Event.source, Event.message,
+                     Event.data).where(Event.id > bindparam("after")).order_by(Event.id))
+OPEN_ALERTS = (select(Alert.run_id, func.count()).where(~Alert.acknowledged,
+                                                        Alert.run_id.in_(bindparam("runs", expanding=True)))
+               .group_by(Alert.run_id))
+RUNS = select(Run.id, Run.name, Run.status, Run.step, Run.total_steps, Run.version, Run.reward, Run.restarts, Run.pid,
+              Run.last_error, Run.started_at, Run.finished_at).where(Run.id.in_(bindparam("runs", expanding=True)))
+LAST_REWARD_STEP = select(func.max(Metric.step)).where(Metric.run_id == bindparam("run_id"),
+                                                       Metric.name == "reward_mean")
+REPLAYED = select(*METRIC_FIELDS).where(Metric.run_id == bindparam("run_id"), Metric.name == bindparam("name"),
+                                        Metric.step > bindparam("after"), Metric.step <= bindparam("until"),
+                                        Metric.time > bindparam("since"))
 
 
 def dumps(message: dict) -> str:
@@ -52,7 +73,7 @@ class Hub:
         self.webhook_url, self.public_url = webhook_url, (public_url or "").rstrip("/")
         self.viewers: dict[int, set[asyncio.Queue]] = {}
         self.last_status: dict[int, dict] = {}
-        self.cursor = {"metric": 0, "alert": 0, "event": 0}
+        self.cursor = {Metric: 0, Alert: 0, Event: 0}  # the newest row id seen, per table
         self.replays: dict[int, dict] = {}   # run id -> {"after", "until", "since", "started"}: see the docstring
         self.snapshot = asyncio.Event()      # set (and replaced) each time a poll fixes the set of watched runs
         self.webhook_queue: asyncio.Queue = asyncio.Queue()
@@ -119,51 +140,41 @@ class Hub:
     def _start_cursors(self):
         with self.engine.connect() as c:
             for table in self.cursor:
-                self.cursor[table] = c.exec_driver_sql(f"SELECT coalesce(max(id), 0) FROM {table}").scalar()
+                self.cursor[table] = c.scalar(NEWEST[table])
         saved = self._webhook_cursor_path()
         if self.webhook_url and saved.exists():
             # alerts recorded while no app was running are still posted (the newest 100 at most)
-            self.cursor["alert"] = max(int(saved.read_text() or 0), self.cursor["alert"] - 100)
+            self.cursor[Alert] = max(int(saved.read_text() or 0), self.cursor[Alert] - 100)
 
     def _read(self, watched: set[int]) -> dict:
         with self.engine.connect() as c:
             # only the watched runs' rows are read; for the others the cursor just moves (max(id) is one seek)
-            newest = c.exec_driver_sql("SELECT coalesce(max(id), 0) FROM metric").scalar()
+            newest = c.scalar(NEWEST[Metric])
             metrics = []
-            if watched and newest > self.cursor["metric"]:
-                marks = ",".join("?" * len(watched))
-                cursor = c.connection.cursor()  # plain tuples: a burst of rows is converted fast
-                metrics = cursor.execute(f"SELECT id, run_id, name, step, value, time FROM metric WHERE id > ? "
-                                         f"AND id <= ? AND run_id IN ({marks}) ORDER BY id",
-                                         (self.cursor["metric"], newest, *watched)).fetchall()
-                cursor.close()
-            alerts = c.exec_driver_sql("SELECT id, run_id, time, step, kind, message, data, acknowledged "
-                                       "FROM alert WHERE id > ? ORDER BY id", (self.cursor["alert"],)).fetchall()
-            events = c.exec_driver_sql("SELECT id, run_id, time, step, kind, source, message, data FROM event "
-                                       "WHERE id > ? ORDER BY id", (self.cursor["event"],)).fetchall()
+            if watched and newest > self.cursor[Metric]:
+                metrics = c.execute(NEW_METRICS, {"after": self.cursor[Metric], "newest": newest,
+                                                  "runs": list(watched)}).all()
+            alerts = [dict(a) for a in c.execute(NEW_ALERTS, {"after": self.cursor[Alert]}).mappings()]
+            events = [dict(e) for e in c.execute(NEW_EVENTS, {"after": self.cursor[Event]}).mappings()]
             replayed = self._read_replays(c, watched, events)
             runs = {}
             if watched:
-                marks = ",".join("?" * len(watched))
-                open_alerts = dict(c.exec_driver_sql(
-                    f"SELECT run_id, count(*) FROM alert WHERE NOT acknowledged AND run_id IN ({marks}) "
-                    "GROUP BY run_id", tuple(watched)).fetchall())
-                for row in c.exec_driver_sql(f"SELECT {', '.join(RUN_FIELDS)} FROM run WHERE id IN ({marks})",
-                                             tuple(watched)).mappings():
+                open_alerts = dict(c.execute(OPEN_ALERTS, {"runs": list(watched)}).all())
+                for row in c.execute(RUNS, {"runs": list(watched)}).mappings():
                     runs[row["id"]] = {**row, "alerts_open": open_alerts.get(row["id"], 0)}
         return {"metrics": metrics + replayed, "newest_metric": newest, "alerts": alerts, "events": events,
                 "runs": runs}
 
     def _read_replays(self, c, watched: set[int], events) -> list:
         """Rows rewritten in place since the last poll, for watched runs that resumed or rolled back."""
-        for _, run_id, t, step, kind, _, _, data in events:
-            if kind in REPLAY_EVENTS:
-                data = _json(data) or {}
-                start = step if step is not None else data.get("step")
-                until = c.exec_driver_sql("SELECT max(step) FROM metric WHERE run_id = ? AND name = 'reward_mean'",
-                                          (run_id,)).scalar()
+        for event in events:
+            if event["kind"] in REPLAY_EVENTS:
+                run_id = event["run_id"]
+                start = event["step"] if event["step"] is not None else event["data"].get("step")
+                until = c.scalar(LAST_REWARD_STEP, {"run_id": run_id})
                 if start is not None and until is not None and until > start:
-                    self.replays[run_id] = {"after": start - 1, "until": until, "since": t, "started": time.time()}
+                    self.replays[run_id] = {"after": start - 1, "until": until, "since": event["time"],
+                                            "started": time.time()}
         rows = []
         for run_id, replay in list(self.replays.items()):
             if time.time() - replay["started"] > REPLAY_WATCH_S:
@@ -173,10 +184,8 @@ class Hub:
                 continue
             found = []
             for name in metric_names(c, run_id):  # one index range per name: (run_id, name, step)
-                found += c.exec_driver_sql(
-                    "SELECT id, run_id, name, step, value, time FROM metric WHERE run_id = ? AND name = ? "
-                    "AND step > ? AND step <= ? AND time > ?",
-                    (run_id, name, replay["after"], replay["until"], replay["since"])).fetchall()
+                found += c.execute(REPLAYED, {"run_id": run_id, "name": name, "after": replay["after"],
+                                              "until": replay["until"], "since": replay["since"]}).all()
             if found:
                 replay["since"] = max(r[5] for r in found)
                 if any(r[3] >= replay["until"] for r in found):
@@ -185,7 +194,7 @@ class Hub:
         return rows
 
     def _dispatch(self, batch: dict):
-        self.cursor["metric"] = max(self.cursor["metric"], batch["newest_metric"])
+        self.cursor[Metric] = max(self.cursor[Metric], batch["newest_metric"])
         if batch["metrics"]:
             by_run: dict[int, dict] = {}
             for _, run_id, name, step, value, t in batch["metrics"]:
@@ -196,16 +205,13 @@ class Hub:
                     s["time"].append(t)
             for run_id, series in by_run.items():
                 self.publish(run_id, {"type": "metrics", "series": series})
-        for row in batch["alerts"]:
-            self.cursor["alert"] = row[0]
-            alert = alert_dict(row)
+        for alert in batch["alerts"]:
+            self.cursor[Alert] = alert["id"]
             self.publish(alert["run_id"], {"type": "alert", "alert": alert})
             if self.webhook_url:
                 self.webhook_queue.put_nowait(alert)
-        for row in batch["events"]:
-            self.cursor["event"] = row[0]
-            event = dict(zip(("id", "run_id", "time", "step", "kind", "source", "message", "data"), row))
-            event["data"] = _json(event["data"])
+        for event in batch["events"]:
+            self.cursor[Event] = event["id"]
             self.publish(event["run_id"], {"type": "event", "event": event})
         for run_id, run in batch["runs"].items():
             if self.last_status.get(run_id) != run:
@@ -237,19 +243,10 @@ class Hub:
     def webhook_payload(self, alert: dict) -> dict:
         """Slack-compatible (its incoming webhooks read `text`), with the structured alert beside it."""
         with self.engine.connect() as c:
-            name = c.exec_driver_sql("SELECT name FROM run WHERE id = ?", (alert["run_id"],)).scalar()
+            name = c.scalar(select(Run.name).where(Run.id == alert["run_id"]))
         link = f" {self.public_url}/runs/{alert['run_id']}" if self.public_url else ""
         step = f" at step {alert['step']}" if alert.get("step") is not None else ""
         return {"text": f"Molt Studio: {alert['kind']} alert on run {alert['run_id']} ({name}){step}: "
                         f"{alert['message']}{link}",
                 "run": {"id": alert["run_id"], "name": name}, "alert": _finite(alert)}
 
-
-def alert_dict(row) -> dict:
-    alert = dict(zip(("id", "run_id", "time", "step", "kind", "message", "data", "acknowledged"), row))
-    alert["data"], alert["acknowledged"] = _json(alert["data"]), bool(alert["acknowledged"])
-    return alert
-
-
-def _json(value):
-    return json.loads(value) if isinstance(value, str) else value

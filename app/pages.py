@@ -6,12 +6,12 @@ from typing import Annotated
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Form, HTTPException, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from markupsafe import escape
+from pydantic import ValidationError, create_model
 
-from daemon.api import Conflict, RunNotFound
+from daemon.api import Conflict, RunNotFound, RunRequest
 from daemon.models import ACTIVE, STATUSES, TERMINAL
 
 from . import rest
@@ -34,6 +34,10 @@ FORM_FIELDS = [
     ("checkpoint_every", ("checkpoint", "every"), int, "checkpoint every"),
     ("seed", ("seed",), int, "seed"),
 ]
+RUNS_PER_PAGE = 100
+# What the launch form posts, all as the text typed: the handler converts it, so a bad number is an inline error
+LaunchForm = create_model("LaunchForm", **{field: (str, "") for field in [
+    "env", "preset", "path", "name", "tags", "max_restarts", "advanced", CSRF_FIELD, *(f[0] for f in FORM_FIELDS)]})
 
 
 class LoginRequired(Exception):
@@ -58,9 +62,10 @@ def check_csrf(request: Request, form_value: str | None):
 
 
 def guarded(handler):
-    """Page handlers redirect to the login page instead of answering 401."""
+    """Page handlers redirect to the login page instead of answering 401. They are plain functions: FastAPI runs
+    them in its thread pool, so their SQLite reads never hold up the event loop that the websockets share."""
     @functools.wraps(handler)
-    async def wrapper(request: Request, *args, **kwargs):
+    def wrapper(request: Request, *args, **kwargs):
         try:
             page_auth(request)
         except LoginRequired:
@@ -73,7 +78,7 @@ def guarded(handler):
             response = RedirectResponse(request.url.path + ("?" + urlencode(query) if query else ""), status_code=303)
             set_session(request, response)
             return response
-        return await handler(request, *args, **kwargs)
+        return handler(request, *args, **kwargs)
     return wrapper
 
 
@@ -116,30 +121,34 @@ def safe_next(path: str) -> str:
 
 # ---- runs list ------------------------------------------------------------------------------------------------------
 
-def list_context(request: Request, status: str | None, tag: str | None) -> dict:
+def list_context(request: Request, status: str | None, tag: str | None, before: int | None) -> dict:
+    """One page of runs, newest first; `before` (a run id) starts the page after the runs newer than it."""
     status = status if status in STATUSES else None
-    runs = request.app.state.api.list_runs(status=status, tag=tag or None, limit=500)
-    return {"runs": runs, "status": status, "tag": tag or "", "statuses": STATUSES,
-            "query": urlencode({k: v for k, v in (("status", status), ("tag", tag)) if v})}
+    runs = request.app.state.api.list_runs(status=status, tag=tag or None, limit=RUNS_PER_PAGE + 1, before=before)
+    filters = {k: v for k, v in (("status", status), ("tag", tag)) if v}
+    older = {**filters, "before": runs[RUNS_PER_PAGE - 1]["id"]} if len(runs) > RUNS_PER_PAGE else None
+    return {"runs": runs[:RUNS_PER_PAGE], "status": status, "tag": tag or "", "statuses": STATUSES,
+            "query": urlencode({**filters, **({"before": before} if before else {})}), "first_page": before is None,
+            "newest": "/?" + urlencode(filters), "older": "/?" + urlencode(older) if older else None}
 
 
 @router.get("/")
 @guarded
-async def runs_page(request: Request, status: str | None = None, tag: str | None = None):
-    return render(request, "runs.html", **list_context(request, status, tag))
+def runs_page(request: Request, status: str | None = None, tag: str | None = None, before: int | None = None):
+    return render(request, "runs.html", **list_context(request, status, tag, before))
 
 
 @router.get("/partials/runs")
 @guarded
-async def runs_rows(request: Request, status: str | None = None, tag: str | None = None):
-    return render(request, "_runs_rows.html", **list_context(request, status, tag))
+def runs_rows(request: Request, status: str | None = None, tag: str | None = None, before: int | None = None):
+    return render(request, "_runs_rows.html", **list_context(request, status, tag, before))
 
 
 # ---- launch ---------------------------------------------------------------------------------------------------------
 
 def form_values(config: dict) -> tuple[dict, dict]:
     """Split a config into the form's fields and the rest (shown as advanced JSON, non-defaults only)."""
-    from molt_engine import RunConfig
+    from molt_engine.config import RunConfig
     rest_config = json.loads(json.dumps(config))
     values = {"env": rest_config.pop("env", ""), "preset": "", "path": ""}
     model = rest_config.pop("model", {}) or {}
@@ -167,8 +176,8 @@ def non_default(config: dict, defaults: dict) -> dict:
 
 def launch_context(values: dict, advanced: str, errors: dict | None = None, name: str = "", tags: str = "",
                    max_restarts: str = "") -> dict:
-    from molt_engine import ENVS, RunConfig
-    from molt_engine.envs import load_user_envs
+    from molt_engine.config import RunConfig
+    from molt_engine.envs import ENVS, load_user_envs
     from molt_engine.models import PRESETS
     load_user_envs()  # the user's env directories (--envs): a file added or fixed since start is offered now
     defaults = RunConfig(env="max_digit").model_dump(mode="json")
@@ -185,7 +194,7 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
 
 @router.get("/runs/new")
 @guarded
-async def launch_page(request: Request, clone: int | None = None):
+def launch_page(request: Request, clone: int | None = None):
     values, advanced, name, tags = {"env": "max_digit", "preset": "tiny-dense", "path": ""}, {}, "", ""
     if clone is not None:
         try:
@@ -200,12 +209,10 @@ async def launch_page(request: Request, clone: int | None = None):
 
 @router.post("/runs/new")
 @guarded
-async def launch(request: Request):
-    form = await request.form()
-    check_csrf(request, form.get(CSRF_FIELD))
-    values = {k: str(form.get(k, "")).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]}
-    advanced, name = str(form.get("advanced", "")), str(form.get("name", "")).strip()
-    tags, max_restarts = str(form.get("tags", "")), str(form.get("max_restarts", "")).strip()
+def launch(request: Request, form: Annotated[LaunchForm, Form()]):
+    check_csrf(request, getattr(form, CSRF_FIELD))
+    values = {k: getattr(form, k).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]}
+    advanced, name, tags, max_restarts = form.advanced, form.name.strip(), form.tags, form.max_restarts.strip()
     errors: dict[str, list[str]] = {}
     config: dict = {"env": values["env"]}
     if values["path"]:
@@ -233,20 +240,21 @@ async def launch(request: Request):
             config = deep_merge(config, extra)
         except ValueError as e:
             errors.setdefault("advanced", []).append(f"not valid JSON: {e}")
+    wanted = {"config": config, "name": name or None, "tags": [t.strip() for t in tags.split(",") if t.strip()]}
     try:
-        restarts = int(max_restarts) if max_restarts else 3
+        if max_restarts:
+            wanted["max_restarts"] = int(max_restarts)
     except ValueError:
         errors.setdefault("max_restarts", []).append("must be a whole number")
-        restarts = 3
-    tag_list = [t.strip() for t in tags.split(",") if t.strip()]
     run = None
     if not errors:
         try:
-            run = rest.submit(request.app.state.api, config, name or None, tag_list, restarts)
-        except RequestValidationError as e:
+            run = request.app.state.api.queue_run(RunRequest.model_validate(wanted))
+        except ValidationError as e:
             for err in e.errors():
-                errors.setdefault(form_field(err["loc"]), []).append(
-                    f"{'.'.join(map(str, err['loc'][2 if err['loc'][1:2] == ('config',) else 1:]))}: {err['msg']}")
+                loc = err["loc"]
+                where = ".".join(map(str, loc[1:] if loc[:1] == ("config",) and len(loc) > 1 else loc))
+                errors.setdefault(form_field(loc), []).append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
     if run is not None:
         target = f"/runs/{run['id']}"
         if request.headers.get("hx-request"):
@@ -260,10 +268,11 @@ async def launch(request: Request):
 
 
 def form_field(loc: tuple) -> str:
-    """Which input of the launch form an error belongs to ("advanced" for config keys without their own input)."""
-    if loc[1:2] != ("config",):
-        return str(loc[1]) if len(loc) > 1 else "advanced"
-    path = tuple(str(p) for p in loc[2:])
+    """Which input of the launch form a RunRequest error belongs to ("advanced" for config keys without their own
+    input)."""
+    if loc[:1] != ("config",):
+        return str(loc[0])
+    path = tuple(str(p) for p in loc[1:])
     if path[:1] == ("env",) or path[:1] == ("env_args",):
         return "env"
     if path[:1] == ("model",):
@@ -292,7 +301,7 @@ def get_run_or_404(request: Request, run_id: int) -> dict:
 
 @router.get("/runs/{run_id}")
 @guarded
-async def run_page(request: Request, run_id: int):
+def run_page(request: Request, run_id: int):
     run = get_run_or_404(request, run_id)
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL,
                   page={"run_id": run_id, "max_staleness": run["config"]["loop"]["max_staleness"]})
@@ -300,7 +309,7 @@ async def run_page(request: Request, run_id: int):
 
 @router.get("/runs/{run_id}/panels/{panel}")
 @guarded
-async def run_panel(request: Request, run_id: int, panel: str):
+def run_panel(request: Request, run_id: int, panel: str):
     records = request.app.state.api
     run = get_run_or_404(request, run_id)
     if panel == "actions":
@@ -317,9 +326,8 @@ async def run_panel(request: Request, run_id: int, panel: str):
 
 @router.post("/runs/{run_id}/{action}")
 @guarded
-async def run_action(request: Request, run_id: int, action: str):
-    form = await request.form()
-    check_csrf(request, form.get(CSRF_FIELD))
+def run_action(request: Request, run_id: int, action: str, csrf_token: Annotated[str | None, Form()] = None):
+    check_csrf(request, csrf_token)
     records = request.app.state.api
     calls = {"stop": records.stop_run, "resume": records.resume_run}
     if action not in calls:
@@ -338,9 +346,8 @@ async def run_action(request: Request, run_id: int, action: str):
 
 @router.post("/runs/{run_id}/alerts/{alert_id}/ack")
 @guarded
-async def ack_alert(request: Request, run_id: int, alert_id: int):
-    form = await request.form()
-    check_csrf(request, form.get(CSRF_FIELD))
+def ack_alert(request: Request, run_id: int, alert_id: int, csrf_token: Annotated[str | None, Form()] = None):
+    check_csrf(request, csrf_token)
     rest.acknowledge_alert(request, run_id, alert_id)
     run = get_run_or_404(request, run_id)
     if not request.headers.get("hx-request"):
@@ -352,7 +359,7 @@ async def ack_alert(request: Request, run_id: int, alert_id: int):
 
 @router.get("/compare")
 @guarded
-async def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all: bool = False):  # noqa: B006
+def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all: bool = False):  # noqa: B006
     wanted = []
     for part in ids:
         wanted += [int(x) for x in part.split(",") if x.strip().isdigit()]

@@ -6,15 +6,16 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
+import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from sqlalchemy import select
 
-from daemon.api import Conflict, InvalidConfig, RunNotFound
-from daemon.models import STATUSES, TERMINAL
-from molt_engine import RunConfig
+from daemon.api import Conflict, RunNotFound, RunRequest
+from daemon.models import STATUSES, TERMINAL, Metric
 
 from .series import encode_values
 
@@ -22,6 +23,7 @@ from .series import encode_values
 Number = Annotated[float, WithJsonSchema({"anyOf": [{"type": "number"},
                                                     {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}]})]
 RunId = Annotated[int, Path(ge=1, le=2**62, description="the run's id")]
+AlertId = Annotated[int, Path(ge=1, le=2**62, description="the alert's id")]
 
 
 class Out(BaseModel):
@@ -42,18 +44,6 @@ class EnvInfo(Out):
     max_turns: int
     max_tokens: int
     source: str | None = Field(description="the file of a user's env (from --envs); null for a built-in one")
-
-
-class RunCreate(BaseModel):
-    # strict: `false` must not become 0; extra=forbid: a misspelt key is an error, not ignored
-    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [
-        {"name": "first", "config": {"env": "max_digit", "model": {"preset": "tiny-dense"}, "loop": {"steps": 60},
-                                     "seed": 0}, "tags": ["demo"]}]})
-    name: str | None = Field(None, min_length=1, max_length=200, pattern=r"\S")
-    config: RunConfig = Field(description="the run config (molt_engine/config.py); defaults fill the rest")
-    tags: list[Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]] = Field(default_factory=list,
-                                                                                            max_length=50)
-    max_restarts: int = Field(3, ge=0, le=100, description="automatic restarts from the latest checkpoint")
 
 
 class RunOut(Out):
@@ -232,32 +222,19 @@ def envs():
 
 
 @protected.post("/runs", status_code=201, response_model=RunOut, tags=["runs"])
-def create_run(request: Request, body: RunCreate):
+def create_run(request: Request, body: RunRequest):
     """Validate the config and queue a run; the daemon starts it when a slot is free."""
-    return submit(api(request), body.config.model_dump(mode="json"), body.name, body.tags, body.max_restarts)
-
-
-def submit(records, config: dict, name: str | None, tags: list[str], max_restarts: int) -> dict:
-    """Queue a run, or raise RequestValidationError whose errors name the fields (`body.config.loop.steps`)."""
-    try:
-        RunConfig.model_validate(config)
-    except ValidationError as e:
-        raise RequestValidationError([
-            {"type": err["type"], "loc": ("body", "config", *err["loc"]),
-             "msg": err["msg"].removeprefix("Value error, ")} for err in e.errors()]) from None
-    try:
-        return records.create_run(config, name=name, tags=tags, max_restarts=max_restarts)
-    except InvalidConfig as e:  # name, tags, max_restarts: the API's own checks, one "field: message" per line
-        raise RequestValidationError([{"type": "value_error", "loc": ("body", line.partition(":")[0]),
-                                       "msg": line.partition(":")[2].strip()} for line in e.errors]) from None
+    return api(request).queue_run(body)
 
 
 @protected.get("/runs", response_model=list[RunOut], tags=["runs"])
 def list_runs(request: Request, status: Annotated[list[Literal[STATUSES]] | None, Query()] = None,
               tag: Annotated[str | None, Query(max_length=64)] = None,
-              limit: Annotated[int | None, Query(ge=1, le=10000)] = None):
+              limit: Annotated[int | None, Query(ge=1, le=10000)] = None,
+              before: Annotated[int | None, Query(ge=1, le=2**62, description="only runs older than this id: the "
+                                                  "next page after a `limit`-long answer")] = None):
     """Newest first; `status` may repeat (?status=running&status=queued)."""
-    return api(request).list_runs(status=status or None, tag=tag, limit=limit)
+    return api(request).list_runs(status=status or None, tag=tag, limit=limit, before=before)
 
 
 @protected.get("/runs/{run_id}", response_model=RunOut, responses=with_run, tags=["runs"])
@@ -302,8 +279,8 @@ def metrics_csv(request: Request, run_id: RunId):
         out = csv.writer(buffer)
         out.writerow(["step", "name", "value", "time"])
         with records.engine.connect() as c:
-            result = c.exec_driver_sql("SELECT step, name, value, time FROM metric WHERE run_id = ? "
-                                       "ORDER BY step, name", (run_id,))
+            result = c.execute(select(Metric.step, Metric.name, Metric.value, Metric.time)
+                               .where(Metric.run_id == run_id).order_by(Metric.step, Metric.name))
             while chunk := result.fetchmany(10000):
                 out.writerows((s, n, "nan" if v is None else repr(v) if math.isfinite(v) else str(v), t)
                               for s, n, v, t in chunk)
@@ -323,14 +300,15 @@ def alerts(request: Request, run_id: RunId, unacknowledged: bool = False):
 
 @protected.post("/runs/{run_id}/alerts/{alert_id}/ack", response_model=AlertOut, tags=["records"],
                 responses={404: _problem("no such run or alert")})
-def acknowledge(request: Request, run_id: RunId, alert_id: RunId):
+def acknowledge(request: Request, run_id: RunId, alert_id: AlertId):
     """Mark an alert seen: it no longer counts in the run's open alerts."""
     return acknowledge_alert(request, run_id, alert_id)
 
 
 def acknowledge_alert(request: Request, run_id: int, alert_id: int) -> dict:
     alert = found(api(request).acknowledge_alert, run_id, alert_id)
-    request.app.state.hub.publish(run_id, {"type": "ack", "alert": alert})
+    # from the thread pool (sync handlers) to the event loop that owns the viewers' queues
+    anyio.from_thread.run_sync(request.app.state.hub.publish, run_id, {"type": "ack", "alert": alert})
     return alert
 
 

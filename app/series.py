@@ -14,12 +14,54 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-from sqlalchemy.engine import Engine
+from sqlalchemy import bindparam, func, null, select
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.engine import Connection, Engine
 
-from daemon.models import BUCKET_SHIFTS
+from daemon.api import extremes
+from daemon.models import BUCKET_SHIFTS, Event, Metric, MetricBucket
 
 REPLAY_EVENTS = ("resumed", "rollback")   # after these the engine rewrites steps that were already recorded
 NONFINITE_NAMES = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+class PlainQuery:
+    """A query built from the records' models, compiled once; its rows come as plain tuples from the DBAPI cursor,
+    which numpy converts ~20x faster than SQLAlchemy's Row objects."""
+
+    def __init__(self, query):
+        compiled = query.compile(dialect=sqlite.dialect())
+        self.sql, self.params = str(compiled), compiled.positiontup
+
+    def rows(self, conn: Connection, **params) -> list[tuple]:
+        cursor = conn.connection.cursor()
+        try:
+            return cursor.execute(self.sql, [params[name] for name in self.params]).fetchall()
+        finally:
+            cursor.close()
+
+
+# The queries, built once (each call then costs microseconds, not the milliseconds of building a statement)
+THE_SERIES = (Metric.run_id == bindparam("run_id"), Metric.name == bindparam("name"))
+SERIES_AFTER = PlainQuery(select(Metric.step, Metric.value, Metric.time)
+                          .where(*THE_SERIES, Metric.step > bindparam("after")).order_by(Metric.step))
+SERIES_RANGE = PlainQuery(select(Metric.step, Metric.value, Metric.time)
+                          .where(*THE_SERIES, Metric.step >= bindparam("start"), Metric.step < bindparam("end")))
+REPLAY_MARK = select(func.coalesce(func.max(Event.id), 0)).where(Event.run_id == bindparam("run_id"),
+                                                                 Event.kind.in_(REPLAY_EVENTS))
+THE_BUCKETS = (MetricBucket.run_id == bindparam("run_id"), MetricBucket.name == bindparam("name"),
+               MetricBucket.level == bindparam("level"), MetricBucket.bucket >= bindparam("first"))
+BUCKET_COUNT = select(func.count(), func.coalesce(func.sum(MetricBucket.n), 0)).where(*THE_BUCKETS)
+BUCKET_ROWS = PlainQuery(select(MetricBucket.lo_step, MetricBucket.lo_value, MetricBucket.lo_time,
+                                MetricBucket.hi_step, MetricBucket.hi_value, MetricBucket.hi_time,
+                                MetricBucket.nan_step, null(), MetricBucket.nan_time).where(*THE_BUCKETS))
+# A skip-scan (one index seek per name) instead of DISTINCT, which would read every row of the run
+_names = (select(func.min(Metric.name).label("name")).where(Metric.run_id == bindparam("run_id"))
+          .cte("n", recursive=True))
+_names = _names.union_all(select(select(func.min(Metric.name))
+                                 .where(Metric.run_id == bindparam("run_id"), Metric.name > _names.c.name)
+                                 .scalar_subquery()).where(_names.c.name.is_not(None)))
+METRIC_NAMES = select(_names.c.name).where(_names.c.name.is_not(None))
 
 
 @dataclass
@@ -47,17 +89,12 @@ class SeriesCache:
 
     def get(self, run_id: int, name: str) -> Series:
         with self._lock, self.engine.connect() as c:
-            mark = c.exec_driver_sql("SELECT coalesce(max(id), 0) FROM event WHERE run_id = ? AND kind IN (?, ?)",
-                                     (run_id, *REPLAY_EVENTS)).scalar()
+            mark = c.scalar(REPLAY_MARK, {"run_id": run_id})
             cached = self._series.pop((run_id, name), None)
             if cached is None or cached.replay_mark != mark:
                 cached = Series(np.zeros(0, np.int64), np.zeros(0), np.zeros(0), mark)
             after = int(cached.steps[-1]) if len(cached) else -(2 ** 62)
-            # the DBAPI cursor: plain tuples, which numpy converts ~50x faster than SQLAlchemy's Row objects
-            cursor = c.connection.cursor()
-            rows = cursor.execute("SELECT step, value, time FROM metric WHERE run_id = ? AND name = ? AND step > ? "
-                                  "ORDER BY step", (run_id, name, after)).fetchall()
-            cursor.close()
+            rows = SERIES_AFTER.rows(c, run_id=run_id, name=name, after=after)
             if rows:
                 table = np.array(rows, dtype=np.float64)  # NULL (None) becomes NaN, which is what it means
                 cached = Series(np.concatenate([cached.steps, table[:, 0].astype(np.int64)]),
@@ -82,11 +119,6 @@ class SeriesCache:
         part = downsample(full, after_step, max_points)
         return part, len(part) < len(downsample(full, after_step))
 
-    def drop_run(self, run_id: int):
-        with self._lock:
-            for key in [k for k in self._series if k[0] == run_id]:
-                del self._series[key]
-
     def _evict(self):
         total = sum(len(s) for s in self._series.values())
         while total > self.max_points and len(self._series) > 1:
@@ -94,13 +126,8 @@ class SeriesCache:
             total -= len(old)
 
 
-def metric_names(conn, run_id: int) -> list[str]:
-    """The run's metric names. A skip-scan (one index seek per name) instead of DISTINCT, which would read every
-    row of the run."""
-    sql = ("WITH RECURSIVE n(name) AS (SELECT min(name) FROM metric WHERE run_id = ?1 "
-           "UNION ALL SELECT (SELECT min(name) FROM metric WHERE run_id = ?1 AND name > n.name) FROM n "
-           "WHERE n.name IS NOT NULL) SELECT name FROM n WHERE name IS NOT NULL")
-    return [r[0] for r in conn.exec_driver_sql(sql, (run_id,))]
+def metric_names(conn: Connection, run_id: int) -> list[str]:
+    return list(conn.scalars(METRIC_NAMES, {"run_id": run_id}))
 
 
 def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | None = None,
@@ -112,22 +139,16 @@ def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | 
     start = -(2 ** 62) if after_step is None else after_step + 1
     first = start >> shift
     cut = start > first << shift
-    cursor = conn.connection.cursor()
-    where = "FROM metric_bucket WHERE run_id = ? AND name = ? AND level = ? AND bucket >= ?"
-    args = (run_id, name, level, first + cut)
+    buckets = {"run_id": run_id, "name": name, "level": level, "first": first + cut}
     # a bucket gives 1 to 3 points, mostly 2 (its min and max): counting first keeps a too-coarse level unread, and
     # a series of at most `enough` rows is better read whole
-    buckets, rows = cursor.execute(f"SELECT count(*), coalesce(sum(n), 0) {where}", args).fetchone()
-    if 2 * buckets <= enough or rows <= enough:
-        cursor.close()
+    count, rows = conn.execute(BUCKET_COUNT, buckets).one()
+    if 2 * count <= enough or rows <= enough:
         return None
     head = []
     if cut:
-        head = cursor.execute("SELECT step, value, time FROM metric WHERE run_id = ? AND name = ? AND step >= ? "
-                              "AND step < ?", (run_id, name, start, (first + 1) << shift)).fetchall()
-    rows = cursor.execute(f"SELECT lo_step, lo_value, lo_time, hi_step, hi_value, hi_time, nan_step, NULL, nan_time "
-                          f"{where}", args).fetchall()
-    cursor.close()
+        head = SERIES_RANGE.rows(conn, run_id=run_id, name=name, start=start, end=(first + 1) << shift)
+    rows = BUCKET_ROWS.rows(conn, **buckets)
     # each row as 3 (step, value, time) triples; NULL (None) becomes NaN: a bucket without a min/max/NaN row (the
     # step), or the value of the NaN row, which is what it means
     table = np.concatenate([np.array(head, dtype=np.float64).reshape(-1, 3),
@@ -138,30 +159,11 @@ def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | 
 
 
 def downsample(series: Series, after_step: int | None = None, max_points: int | None = None) -> Series:
-    """The steps after `after_step`, reduced to at most `max_points` points: the range is cut into equal buckets and
-    each keeps its minimum and maximum (a spike never disappears) and its first NaN if it has one (a NaN is never
-    averaged or dropped away). ±inf are values like any other: a max keeps +inf."""
+    """The steps after `after_step`, reduced to at most `max_points` points by the records' one rule
+    (daemon.api.extremes: each bucket's min, max and first NaN)."""
     lo = int(np.searchsorted(series.steps, after_step, side="right")) if after_step is not None else 0
-    steps, values, times = series.steps[lo:], series.values[lo:], series.times[lo:]
-    n = len(steps)
-    if not max_points or n <= max_points:
-        return Series(steps, values, times, series.replay_mark)
-    nan = np.isnan(values)
-    per_bucket = 3 if nan.any() else 2
-    size = math.ceil(n / max(1, max_points // per_bucket))
-    buckets = math.ceil(n / size)
-    pad = buckets * size - n
-    # NaN is replaced so that argmin/argmax see only real values; the padding can never win (it comes last)
-    low = np.concatenate([np.where(nan, np.inf, values), np.full(pad, np.inf)]).reshape(buckets, size)
-    high = np.concatenate([np.where(nan, -np.inf, values), np.full(pad, -np.inf)]).reshape(buckets, size)
-    offsets = np.arange(buckets) * size
-    keep = [offsets + low.argmin(axis=1), offsets + high.argmax(axis=1)]
-    if per_bucket == 3:
-        nans = np.concatenate([nan, np.zeros(pad, bool)]).reshape(buckets, size)
-        has = nans.any(axis=1)
-        keep.append((offsets + nans.argmax(axis=1))[has])
-    idx = np.unique(np.concatenate(keep))
-    return Series(steps[idx], values[idx], times[idx], series.replay_mark)
+    idx = lo + extremes(series.values[lo:], max_points)
+    return Series(series.steps[idx], series.values[idx], series.times[idx], series.replay_mark)
 
 
 def encode_values(values: np.ndarray) -> list:

@@ -1,12 +1,14 @@
 """E. Live latency and long-series reads of the web app.
 
-    python bench/app_latency.py [--points 1000000] [--live-seconds 20] [--restarts 5]
+    python bench/app_latency.py [--points 1000000] [--live-seconds 20] [--page-rate 20] [--restarts 5]
 
 1. Live: a `molt web` child process serves the data directory; a writer in this process records metrics through
    the daemon's own DbSink (the worker's code path) and, separately, by direct commits; a websocket client
    measures each metric's arrival time minus (a) the moment the worker handed it to its sink and (b) the moment it
    was committed. Prints p50 / p95 / max of both. (a) includes the sink's batching interval
-   (daemon/sink.py FLUSH_EVERY_S), (b) is what the app adds.
+   (daemon/sink.py FLUSH_EVERY_S), (b) is what the app adds. Measured twice: alone, then while another client
+   requests the runs page (a full page of runs) `--page-rate` times a second. Bar: p95 <= 500 ms under that load.
+   Then GET /wait on a run that has ended: it must answer at once, not after its timeout.
 2. Long series: a 1,000,000-point series with an injected spike, NaN, +inf and -inf; GET /metrics?max_points=2000
    over HTTP: `--restarts` times, a fresh `molt web` child and its first request (cold: nothing cached in the app;
    the OS file cache is warm), then 20 more (warm). Prints the medians, the number of points returned and whether
@@ -34,9 +36,9 @@ from daemon.models import Attempt  # noqa: E402
 from daemon.sink import DbSink  # noqa: E402
 
 
-def live(home: Path, child: Child, seconds: float) -> dict:
+def live(home: Path, child: Child, seconds: float, page_rate: float) -> dict:
     api = Api(home)
-    run = api.create_run({"env": "max_digit"}, name="latency")
+    run = api.create_run({"env": "max_digit"}, name=f"latency at {page_rate:g} pages/s")
     with Session(api.engine) as s:
         attempt = Attempt(run_id=run["id"], number=1)
         s.add(attempt)
@@ -74,15 +76,39 @@ def live(home: Path, child: Child, seconds: float) -> dict:
             step += 1
             time.sleep(0.05 + random.random() * 0.05)          # about 10 metrics/s of each kind, unsynchronised
 
+    page_lat = []
+
+    def pages(rate: float):
+        """The runs page at a steady `rate`, each request on time whether or not the last one was slow."""
+        browser = httpx.Client(base_url=child.base, headers={"Authorization": f"Bearer {child.token}"}, timeout=30)
+        start = time.monotonic()
+        for i in range(int(seconds * rate)):
+            time.sleep(max(0.0, start + i / rate - time.monotonic()))
+            sent = time.perf_counter()
+            assert browser.get("/").status_code == 200
+            page_lat.append(time.perf_counter() - sent)
+
     async def main():
         task = asyncio.create_task(client())
         await asyncio.sleep(1)  # connected and backfilled
-        await asyncio.to_thread(writer)
+        # 4 browsers at a quarter of the rate each: a slow page does not delay the next request
+        load = [asyncio.to_thread(pages, page_rate / 4) for _ in range(4)] if page_rate else []
+        await asyncio.gather(asyncio.to_thread(writer), *load)
         await task
 
     asyncio.run(main())
     sink.close()
-    return {"via_sink": sink_lat, "committed": commit_lat}
+    return {"via_sink": sink_lat, "committed": commit_lat, "page": page_lat}
+
+
+def wait_ended(home: Path, child: Child) -> float:
+    """Seconds GET /wait?timeout=20 takes on a run that has already ended."""
+    run = Api(home).create_run({"env": "max_digit"}, name="ended")
+    client = httpx.Client(base_url=child.base, headers={"Authorization": f"Bearer {child.token}"}, timeout=60)
+    assert client.post(f"/api/v1/runs/{run['id']}/stop").json()["status"] == "stopped"  # queued: stops at once
+    start = time.perf_counter()
+    assert client.get(f"/api/v1/runs/{run['id']}/wait", params={"timeout": 20}).json()["status"] == "stopped"
+    return time.perf_counter() - start
 
 
 def long_series(home: Path, points: int, restarts: int) -> dict:
@@ -121,23 +147,33 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--points", type=int, default=1_000_000)
     p.add_argument("--live-seconds", type=float, default=20)
+    p.add_argument("--page-rate", type=float, default=20, help="runs-page requests per second during part 1")
+    p.add_argument("--runs", type=int, default=150, help="runs recorded before part 1 (the page shows 100)")
     p.add_argument("--restarts", type=int, default=5, help="cold requests: one per fresh server")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        Api(home)
+        api = Api(home)
+        for i in range(a.runs):
+            api.create_run({"env": "max_digit"}, name=f"listed {i}", tags=["bench"])
         child = Child("web", home)
         try:
-            lat = live(home, child, a.live_seconds)
+            lat = {rate: live(home, child, a.live_seconds, rate) for rate in (0, a.page_rate)}
+            waited = wait_ended(home, child)
         finally:
             child.stop()
         reads = long_series(home, a.points, a.restarts)
-    print("\n== E1. live latency: metric -> websocket client ==")
-    for label, key in [("handed to the worker's DbSink -> client", "via_sink"),
-                       ("committed to SQLite -> client", "committed")]:
-        v = lat[key]
-        print(f"{label:<42} n={len(v):4d}  p50 {statistics.median(v) * 1000:6.0f} ms  "
-              f"p95 {percentile(v, 95) * 1000:6.0f} ms  max {max(v) * 1000:6.0f} ms")
+    for rate, got in lat.items():
+        print(f"\n== E1. live latency: metric -> websocket client, "
+              + (f"runs page requested {rate:g}x/s ==" if rate else "no other load =="))
+        for label, key in [("handed to the worker's DbSink -> client", "via_sink"),
+                           ("committed to SQLite -> client", "committed"), ("runs page (GET /)", "page")]:
+            v = got[key]
+            if v:
+                print(f"{label:<42} n={len(v):4d}  p50 {statistics.median(v) * 1000:6.0f} ms  "
+                      f"p95 {percentile(v, 95) * 1000:6.0f} ms  max {max(v) * 1000:6.0f} ms"
+                      + ("  (bar: p95 <= 500 ms)" if rate and key != "page" else ""))
+    print(f"\nGET /wait?timeout=20 on a run that has ended: {waited * 1000:.0f} ms (bar: at once, well under 20 s)")
     print(f"\n== E2. GET /metrics, {a.points:,}-point series, max_points=2000 (over HTTP) ==")
     c, w = reads["cold_s"], reads["warm_s"]
     print(f"cold (first request after a server start, x{len(c)}): median {statistics.median(c) * 1000:.1f} ms, "

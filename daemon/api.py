@@ -2,23 +2,36 @@
 import math
 import time
 from pathlib import Path
+from typing import Annotated
 
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import func, select, text
 from sqlmodel import Session
+
+from molt_engine.config import RunConfig
 
 from .db import add_event, connect, data_home, lock_holder, run_dir, set_run
 from .models import ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run, now
 
+Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
+
+
+class RunRequest(BaseModel):
+    """A request to queue a run: the body of POST /api/v1/runs, what the launch form builds, what create_run checks.
+    A pydantic ValidationError names each bad field by its path (("config", "loop", "steps"), ("tags", 0))."""
+    # strict: `false` must not become 0; extra=forbid: a misspelt key is an error, not ignored
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [
+        {"name": "first", "config": {"env": "max_digit", "model": {"preset": "tiny-dense"}, "loop": {"steps": 60},
+                                     "seed": 0}, "tags": ["demo"]}]})
+    name: str | None = Field(None, min_length=1, max_length=200, pattern=r"\S")
+    config: RunConfig = Field(description="the run config (molt_engine/config.py); defaults fill the rest")
+    tags: list[Tag] = Field(default_factory=list, max_length=50)
+    max_restarts: int = Field(3, ge=0, le=100, description="automatic restarts from the latest checkpoint")
+
 
 class RunNotFound(KeyError):
     pass
-
-
-class InvalidConfig(ValueError):
-    """The config (or name, tags, max_restarts) was rejected; `errors` has one line per problem, naming the field."""
-    def __init__(self, errors: list[str]):
-        super().__init__("; ".join(errors))
-        self.errors = errors
 
 
 class Conflict(ValueError):
@@ -38,26 +51,15 @@ class Api:
 
     def create_run(self, config: dict, name: str | None = None, tags: list[str] | None = None,
                    max_restarts: int = 3) -> dict:
-        """Validate `config` (molt_engine.RunConfig) and queue a run. Raises InvalidConfig."""
-        from molt_engine import RunConfig, config_errors
-        from pydantic import ValidationError
-        errors = []
-        try:
-            cfg = RunConfig.model_validate(config)
-        except ValidationError as e:
-            errors += config_errors(e)
-        if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 200):
-            errors.append("name: must be a non-empty string of at most 200 characters")
-        tags = list(tags or [])
-        if not all(isinstance(t, str) and t.strip() and len(t) <= 64 for t in tags):
-            errors.append("tags: must be non-empty strings of at most 64 characters")
-        if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or not 0 <= max_restarts <= 100:
-            errors.append("max_restarts: must be an integer from 0 to 100")
-        if errors:
-            raise InvalidConfig(errors)
-        run = Run(name=(name or f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}").strip(), tags=tags,
+        """Validate (RunRequest) and queue a run. Raises pydantic's ValidationError."""
+        return self.queue_run(RunRequest.model_validate({"config": config, "name": name, "tags": tags or [],
+                                                         "max_restarts": max_restarts}))
+
+    def queue_run(self, request: RunRequest) -> dict:
+        cfg = request.config
+        run = Run(name=(request.name or f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}").strip(), tags=request.tags,
                   config=cfg.model_dump(mode="json"),  # every default frozen in: later default changes never alter it
-                  total_steps=cfg.loop.steps, max_restarts=max_restarts)
+                  total_steps=cfg.loop.steps, max_restarts=request.max_restarts)
         with Session(self.engine) as s:
             s.add(run)
             s.commit()
@@ -67,9 +69,11 @@ class Api:
             return self._run_dict(s, run)
 
     def list_runs(self, status: str | list[str] | None = None, tag: str | None = None,
-                  limit: int | None = None) -> list[dict]:
-        """Newest first."""
+                  limit: int | None = None, before: int | None = None) -> list[dict]:
+        """Newest first; with `before`, only the runs older than that run id (the next page)."""
         q = select(Run).order_by(Run.id.desc()).limit(limit)
+        if before is not None:
+            q = q.where(Run.id < before)
         if status:
             q = q.where(Run.status.in_([status] if isinstance(status, str) else status))
         if tag:
@@ -131,7 +135,7 @@ class Api:
     def metrics(self, run_id: int, names: list[str] | None = None, after_step: int | None = None,
                 max_points: int | None = None) -> list[dict]:
         """Rows {name, step, value, time} ordered by step (then name). With max_points, each name is reduced to at
-        most that many rows by min/max bucketing (spikes and NaN stay visible)."""
+        most that many rows by `extremes` (spikes and NaN stay visible)."""
         q = select(Metric.name, Metric.step, Metric.value, Metric.time).where(Metric.run_id == run_id)
         if names:
             q = q.where(Metric.name.in_(names))
@@ -142,12 +146,13 @@ class Api:
             rows = [{"name": n, "step": st, "value": math.nan if v is None else v, "time": t}
                     for n, st, v, t in s.execute(q.order_by(Metric.step, Metric.name))]
         if max_points:
-            rows = downsample(rows, max_points)
+            by_name: dict[str, list[dict]] = {}
+            for r in rows:
+                by_name.setdefault(r["name"], []).append(r)
+            rows = sorted((series[i] for series in by_name.values()
+                           for i in extremes(np.array([r["value"] for r in series]), max_points)),
+                          key=lambda r: (r["step"], r["name"]))
         return rows
-
-    def metric_names(self, run_id: int) -> list[str]:
-        with Session(self.engine) as s:
-            return list(s.scalars(select(Metric.name).where(Metric.run_id == run_id).distinct().order_by(Metric.name)))
 
     def alerts(self, run_id: int, after_id: int | None = None, unacknowledged: bool = False) -> list[dict]:
         q = select(Alert).where(Alert.run_id == run_id)
@@ -234,28 +239,28 @@ class Api:
         return d
 
 
-def downsample(rows: list[dict], max_points: int) -> list[dict]:
-    """Per name, split the steps into max_points // 2 buckets and keep each bucket's min and max row (NaN rows are
-    kept too, so a NaN is never averaged away). Input and output ordered by step."""
-    by_name: dict[str, list[dict]] = {}
-    for r in rows:
-        by_name.setdefault(r["name"], []).append(r)
-    out = []
-    for series in by_name.values():
-        if len(series) <= max_points:
-            out += series
-            continue
-        buckets = max(1, max_points // 2)
-        size = math.ceil(len(series) / buckets)
-        for i in range(0, len(series), size):
-            chunk = series[i:i + size]
-            finite = [r for r in chunk if not math.isnan(r["value"])]
-            keep = {id(r): r for r in chunk if math.isnan(r["value"])}
-            if finite:
-                for r in (min(finite, key=lambda r: r["value"]), max(finite, key=lambda r: r["value"])):
-                    keep[id(r)] = r
-            out += sorted(keep.values(), key=lambda r: r["step"])
-    return sorted(out, key=lambda r: (r["step"], r["name"]))
+def extremes(values: np.ndarray, max_points: int | None) -> np.ndarray:
+    """The indices of `values` (a series in step order) that a chart of at most `max_points` points keeps: the range
+    is cut into equal buckets and each keeps its minimum and maximum (a spike never disappears) and its first NaN if
+    it has one (a NaN is never averaged or dropped away). ±inf are values like any other: a max keeps +inf. Every
+    index when the series is short enough."""
+    n = len(values)
+    if not max_points or n <= max_points:
+        return np.arange(n)
+    nan = np.isnan(values)
+    per_bucket = 3 if nan.any() else 2
+    size = math.ceil(n / max(1, max_points // per_bucket))
+    buckets = math.ceil(n / size)
+    pad = buckets * size - n
+    # NaN is replaced so that argmin/argmax see only real values; the padding can never win (it comes last)
+    low = np.concatenate([np.where(nan, np.inf, values), np.full(pad, np.inf)]).reshape(buckets, size)
+    high = np.concatenate([np.where(nan, -np.inf, values), np.full(pad, -np.inf)]).reshape(buckets, size)
+    offsets = np.arange(buckets) * size
+    keep = [offsets + low.argmin(axis=1), offsets + high.argmax(axis=1)]
+    if per_bucket == 3:
+        nans = np.concatenate([nan, np.zeros(pad, bool)]).reshape(buckets, size)
+        keep.append((offsets + nans.argmax(axis=1))[nans.any(axis=1)])
+    return np.unique(np.concatenate(keep))
 
 
 def _dict(row) -> dict:

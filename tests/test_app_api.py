@@ -4,7 +4,6 @@ import asyncio
 import json
 import math
 import re
-import time
 
 import fastapi.routing
 import httpx
@@ -168,6 +167,48 @@ def test_a_cross_site_form_post_is_rejected(web):
     assert web["api"].list_runs()[0]["name"] == "csrf-probe"
 
 
+def test_the_launch_form_shows_each_error_at_its_input_by_the_rules_of_the_api(web):
+    browser, csrf = logged_in(web)
+    form = {"env": "max_digit", "preset": "tiny-dense", "steps": "0", "max_restarts": "101", "csrf_token": csrf,
+            "tags": ", ".join(f"t{i}" for i in range(51)), "advanced": '{"algo": {"lr": false}}'}
+    before = len(web["api"].list_runs())
+    response = browser.post("/runs/new", data=form)
+    assert response.status_code == 422
+    errors = dict(re.findall(r'data-field="(\w+)">([^<]*)<', response.text))
+    assert errors["steps"].startswith("loop.steps: ") and errors["lr"].startswith("algo.lr: ")
+    assert errors["tags"].startswith("tags: ") and errors["max_restarts"].startswith("max_restarts: ")
+    assert 'value="101"' in response.text, "what the user typed is kept"
+    assert len(web["api"].list_runs()) == before
+
+
+def test_the_runs_page_pages_through_every_run(web):
+    ids = [new_run(web, name=f"paged-{i}")["id"] for i in range(105)]
+    browser, _ = logged_in(web)
+    shown, url = [], "/"
+    while url:
+        html = browser.get(url.replace("&amp;", "&")).text
+        shown += [int(i) for i in re.findall(r'data-run-id="(\d+)"', html)]
+        url = (re.findall(r'<a href="([^"]+)">older runs', html) or [None])[0]
+    assert set(ids) <= set(shown) and len(shown) == len(set(shown)) == len(web["api"].list_runs())
+    assert shown == sorted(shown, reverse=True)
+    page = web["client"].get("/api/v1/runs", params={"limit": 3, "before": ids[-1]}).json()
+    assert [r["id"] for r in page] == ids[-4:-1][::-1]
+
+
+def test_pages_run_in_the_thread_pool_not_on_the_event_loop():
+    """SQLite reads are synchronous: a page handler on the event loop would stall every websocket meanwhile."""
+    from app.pages import router
+    pages = [r for r in router.routes if r.path not in ("/login", "/logout")]  # these two read no records
+    assert len(pages) >= 8
+    assert not [r.path for r in pages if asyncio.iscoroutinefunction(r.endpoint)]
+
+
+def test_openapi_documents_an_alert_id_as_an_alert_id(web):
+    ack = web["client"].get("/openapi.json").json()["paths"]["/api/v1/runs/{run_id}/alerts/{alert_id}/ack"]["post"]
+    described = {p["name"]: p["description"] for p in ack["parameters"]}
+    assert described == {"run_id": "the run's id", "alert_id": "the alert's id"}
+
+
 def test_a_script_in_a_run_name_renders_escaped(web):
     evil = "<script>alert(1)</script>"
     run = new_run(web, name=evil)
@@ -192,6 +233,7 @@ def test_a_script_in_a_run_name_renders_escaped(web):
     ({"config": {"env": "max_digit", "lop": {}}}, ["body", "config", "lop"]),
     ({"config": {"env": "max_digit", "algo": {"lr": False}}}, ["body", "config", "algo", "lr"]),
     ({"config": {"env": "max_digit"}, "tags": [""]}, ["body", "tags", 0]),
+    ({"config": {"env": "max_digit"}, "tags": [f"t{i}" for i in range(51)]}, ["body", "tags"]),
     ({"config": {"env": "max_digit"}, "max_restarts": -1}, ["body", "max_restarts"]),
     ({"config": {"env": "max_digit"}, "nmae": "x"}, ["body", "nmae"]),
     ({}, ["body", "config"]),
@@ -226,9 +268,7 @@ def test_stop_and_resume_answer_202_and_409_when_the_status_forbids(web):
         set_run(s, run["id"], None, status="completed")
         s.commit()
     assert web["client"].post(f"/api/v1/runs/{run['id']}/resume").status_code == 409
-    started = time.monotonic()
     assert web["client"].get(f"/api/v1/runs/{run['id']}/wait", params={"timeout": 20}).json()["status"] == "completed"
-    assert time.monotonic() - started < 5  # a terminal run answers at once
 
 
 # ---- metrics: downsampling that keeps spikes, NaN and infinity ------------------------------------------------------
@@ -313,7 +353,6 @@ def test_websocket_backfills_then_pushes_metrics_alerts_and_status(web):
             assert backfill["status"]["run"]["id"] == run["id"]
             assert backfill["metrics"]["series"]["reward_mean"]["step"] == [2, 3, 4]  # after_step=1
             live = sink_for(web, run["id"])
-            sent = time.time()
             live.metrics(5, {"reward_mean": 0.5, "version": 5.0})
             live.alert("breaker", "step 5: grad norm 1e3 above threshold 10", step=5)
             # rows committed just before the subscription may come again live (clients merge by step): wait for
@@ -321,16 +360,14 @@ def test_websocket_backfills_then_pushes_metrics_alerts_and_status(web):
             wanted = {"metrics": lambda m: 5 in m["series"]["reward_mean"]["step"],
                       "alert": lambda m: m["alert"]["kind"] == "breaker",
                       "status": lambda m: m["run"]["step"] == 6 and m["run"]["alerts_open"] == 1}
-            seen = {}
-            while set(seen) != set(wanted):
+            seen = set()
+            while seen != set(wanted):  # how fast they come: bench/app_latency.py
                 message = json.loads(await asyncio.wait_for(ws.recv(), 10))
                 if message["type"] in wanted and wanted[message["type"]](message):
-                    seen.setdefault(message["type"], time.time() - sent)
+                    seen.add(message["type"])
             live.close()
-            return seen
 
-    seen = asyncio.run(scenario())
-    assert seen["metrics"] < 2.0  # generous here: bench/app_latency.py measures the real figure
+    asyncio.run(scenario())
 
 
 def test_unknown_run_closes_the_websocket_with_4404(web):

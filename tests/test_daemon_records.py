@@ -8,17 +8,19 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from pydantic import ValidationError
 from sqlalchemy import inspect, select
 from sqlalchemy.dialects.sqlite import insert as insert_
 from sqlmodel import Session, SQLModel
 
 from conftest import wait_until
 from daemon import models
-from daemon.api import Api, Conflict, InvalidConfig, RunNotFound, downsample
+from daemon.api import Api, Conflict, RunNotFound, extremes
 from daemon.db import alembic_config, connect, sqlite_engine, upgrade
 from daemon.models import Attempt, Metric
 from daemon.sink import DbSink, replay_spools
@@ -245,12 +247,13 @@ def test_a_killed_worker_loses_nothing_its_spool_is_replayed_idempotently(api, t
 
 
 def test_api_validates_and_applies_requests_by_status(api):
-    with pytest.raises(InvalidConfig) as e:
-        api.create_run({"env": "nope", "loop": {"steps": 0}}, tags=[""], max_restarts=-1)
-    assert any(m.startswith("env:") for m in e.value.errors)
-    assert any(m.startswith("loop.steps:") for m in e.value.errors)
-    assert any(m.startswith("tags:") for m in e.value.errors)
-    assert any(m.startswith("max_restarts:") for m in e.value.errors)
+    with pytest.raises(ValidationError) as e:
+        api.create_run({"env": "nope", "loop": {"steps": 0}}, tags=["ok", ""], max_restarts=-1)
+    assert {err["loc"] for err in e.value.errors()} == {("config", "env"), ("config", "loop", "steps"), ("tags", 1),
+                                                         ("max_restarts",)}
+    with pytest.raises(ValidationError) as e:
+        api.create_run(FAST, tags=[f"t{i}" for i in range(51)])  # the REST API's limit too: one rule set
+    assert [err["loc"] for err in e.value.errors()] == [("tags",)]
     with pytest.raises(RunNotFound):
         api.get_run(10_000)
 
@@ -289,17 +292,27 @@ def test_alerts_can_be_acknowledged(api):
         api.acknowledge_alert(run["id"] + 1, alert["id"])
 
 
-def test_downsample_keeps_min_max_and_nan_per_bucket():
-    values = [0.0] * 100
-    values[37], values[62], values[80] = 50.0, -9.0, math.nan
-    rows = [{"name": "loss", "step": i, "value": v, "time": 0.0} for i, v in enumerate(values)]
-    rows += [{"name": "short", "step": i, "value": 1.0, "time": 0.0} for i in range(5)]
-    out = downsample(rows, 20)
-    loss = [r for r in out if r["name"] == "loss"]
-    assert len(loss) <= 21
-    assert {37, 62, 80} <= {r["step"] for r in loss}
-    assert [r["step"] for r in loss] == sorted(r["step"] for r in loss)
-    assert len([r for r in out if r["name"] == "short"]) == 5
+def test_downsample_keeps_min_max_and_the_first_nan_per_bucket():
+    values = np.zeros(100)
+    values[37], values[62], values[80], values[81] = 50.0, -9.0, math.nan, math.nan
+    kept = extremes(values, 21)
+    assert len(kept) <= 21 and list(kept) == sorted(kept)
+    assert {37, 62, 80} <= set(kept) and 81 not in kept  # 80 and 81 share a bucket: its first NaN stands for both
+    assert list(extremes(values[:5], 20)) == [0, 1, 2, 3, 4]
+
+
+def test_api_metrics_downsample_each_name_by_the_same_rule(api):
+    run = api.create_run(FAST)
+    with Session(api.engine) as s:
+        s.add_all([Metric(run_id=run["id"], name=name, step=i, value=None if (name, i) == ("loss", 80) else
+                          50.0 if i == 37 else 0.0) for name in ("loss", "reward") for i in range(100)])
+        s.add_all([Metric(run_id=run["id"], name="short", step=i, value=1.0) for i in range(5)])
+        s.commit()
+    rows = api.metrics(run["id"], max_points=21)
+    steps = {name: [r["step"] for r in rows if r["name"] == name] for name in ("loss", "reward", "short")}
+    assert {37, 80} <= set(steps["loss"]) and len(steps["loss"]) <= 21 and 37 in steps["reward"]
+    assert steps["short"] == [0, 1, 2, 3, 4]
+    assert [(r["step"], r["name"]) for r in rows] == sorted((r["step"], r["name"]) for r in rows)
 
 
 def test_one_daemon_per_data_directory(tmp_path):
