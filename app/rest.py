@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from daemon.api import Conflict, RunNotFound, RunRequest
 from daemon.models import STATUSES, TERMINAL, Metric
+from molt_engine.envs import ENVS
 
 from .series import encode_values
 
@@ -210,7 +211,6 @@ def health(request: Request):
 @protected.get("/envs", response_model=list[EnvInfo], tags=["meta"])
 def envs():
     """The registered environments a config may name."""
-    from molt_engine.envs import ENVS
     return [{"name": name, "description": ((cls.__doc__ or "").strip().splitlines() or [""])[0],
              "max_turns": cls.max_turns, "max_tokens": cls.max_tokens} for name, cls in sorted(ENVS.items())]
 
