@@ -13,6 +13,8 @@ from pydantic import ValidationError, create_model
 
 from daemon.api import Conflict, RunNotFound, RunRequest
 from daemon.models import ACTIVE, STATUSES, TERMINAL
+from molt_engine.config import RunConfig
+from molt_engine.envs import ENVS, load_user_envs
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
@@ -148,7 +150,6 @@ def runs_rows(request: Request, status: str | None = None, tag: str | None = Non
 
 def form_values(config: dict) -> tuple[dict, dict]:
     """Split a config into the form's fields and the rest (shown as advanced JSON, non-defaults only)."""
-    from molt_engine.config import RunConfig
     rest_config = json.loads(json.dumps(config))
     values = {"env": rest_config.pop("env", ""), "preset": "", "path": ""}
     model = rest_config.pop("model", {}) or {}
@@ -176,9 +177,7 @@ def non_default(config: dict, defaults: dict) -> dict:
 
 def launch_context(values: dict, advanced: str, errors: dict | None = None, name: str = "", tags: str = "",
                    max_restarts: str = "") -> dict:
-    from molt_engine.config import RunConfig
-    from molt_engine.envs import ENVS, load_user_envs
-    from molt_engine.models import PRESETS
+    from molt_engine.models import PRESETS  # imports torch: only the launch page pays for it
     load_user_envs()  # the user's env directories (--envs): a file added or fixed since start is offered now
     defaults = RunConfig(env="max_digit").model_dump(mode="json")
     placeholders = {}

@@ -1,6 +1,7 @@
 """The REST API under /api/v1 (documented at /docs): JSON in and out, the token required everywhere but /health."""
 import asyncio
 import csv
+import inspect
 import io
 import math
 import time
@@ -16,6 +17,7 @@ from sqlalchemy import select
 
 from daemon.api import Conflict, RunNotFound, RunRequest
 from daemon.models import STATUSES, TERMINAL, Metric
+from molt_engine.envs import ENVS, load_user_envs
 
 from .series import encode_values
 
@@ -211,9 +213,6 @@ def health(request: Request):
 @protected.get("/envs", response_model=list[EnvInfo], tags=["meta"])
 def envs():
     """The environments a config may name: the built-in ones and those of the user's env directories (--envs)."""
-    import inspect
-
-    from molt_engine.envs import ENVS, load_user_envs
     load_user_envs()  # a file added or fixed since the server started is listed now
     return [{"name": name, "description": ((cls.__doc__ or "").strip().splitlines() or [""])[0],
              "max_turns": cls.max_turns, "max_tokens": cls.max_tokens,
