@@ -21,8 +21,13 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None) -
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)  # a resumed run may write the same step again
     os.replace(tmp, final)
-    _write_atomically(root / "latest", final.name)
+    point_latest(root, final)
     return final
+
+
+def point_latest(root: Path, path: Path):
+    """Make `latest` name the checkpoint at `path` (atomically, and durably)."""
+    _write_atomically(root / "latest", path.name)
 
 
 def latest(root: Path) -> Path | None:
@@ -30,8 +35,17 @@ def latest(root: Path) -> Path | None:
     pointer = root / "latest"
     if pointer.exists() and (root / pointer.read_text().strip() / "state.pt").exists():
         return root / pointer.read_text().strip()
-    complete = [p for p in sorted(root.glob("step-*")) if (p / "state.pt").exists()]
-    return complete[-1] if complete else None
+    done = complete(root)
+    return done[-1] if done else None
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under root (written whole: they have their state.pt), oldest first."""
+    return [p for p in sorted(root.glob("step-*")) if (p / "state.pt").exists()]
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
 
 
 def load(path: Path, model, reference=None) -> dict:
