@@ -57,7 +57,8 @@ def daemon_message(status: dict) -> dict:
         message = (f"The daemon (pid {status['pid']}) is not responding: no heartbeat for over "
                    f"{DAEMON_HANG_S:.0f} s. Runs are not supervised until it is restarted.")
     elif last and last["kind"] == "down":
-        message = f"The daemon is down: {last['message']}. Queued runs wait; running workers train on."
+        message = (f"The daemon is down: {last['cause']} (pid {last['pid']}); it is being restarted. Queued runs "
+                   f"wait; running workers train on.")
     else:
         message = "No daemon is running: queued runs wait, and nobody restarts a worker that dies."
     return {"type": "daemon", "alive": status["alive"], "pid": status["pid"], "restarts": status["restarts"],
