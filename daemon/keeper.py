@@ -69,7 +69,7 @@ class Keeper:
                 print(f"molt serve: watching the daemon (pid {status['pid']}) that owns {self.records.home}",
                       flush=True)
                 self.pid, self.up_since = status["pid"], None
-            if not status["alive"]:
+            if status["heartbeat_age"] > self.hang:
                 self.kill()
                 self.down(f"hang: no heartbeat for {status['heartbeat_age']:.0f}s")
             elif self.up_since is None:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app_support import FAST, ROOT, child_env, molt, serve, web_thread
 from conftest import wait_until
 from daemon.api import Api
-from daemon.keeper import stop_daemon
+from daemon.keeper import Keeper, stop_daemon
 
 START = 90  # seconds a worker may take to reach its first steps on a busy machine
 
@@ -103,6 +103,26 @@ def test_serve_restarts_its_killed_daemon_each_time_health_and_metrics_say_so_an
         assert after[("molt_daemon_restarts_total", (("cause", "SIGKILL"),))] == 3
         assert after[("molt_runs", (("status", "completed"),))] == 1
         assert ("molt_run_step", labels) not in after, "only running runs have per-run series"
+
+
+def test_a_hung_daemon_is_killed_and_replaced(tmp_path):
+    records = Api(tmp_path)
+    keeper = Keeper(records, [sys.executable, "-m", "daemon", "--home", str(tmp_path)], poll=0.2, hang=3)
+    keeper.start()
+    try:
+        first = wait_until(lambda: (d := records.daemon_status())["alive"] and d["pid"], 30, message="a daemon")
+        os.kill(first, signal.SIGSTOP)  # alive, holding its lock, but no longer beating
+        down = wait_until(lambda: [e for e in records.daemon_events() if e["kind"] == "down"], 30,
+                          message="the hang noticed")
+        assert down[0]["pid"] == first and down[0]["cause"].startswith("hang: no heartbeat for")
+        assert gone(first)
+        wait_until(lambda: records.daemon_status()["pid"] not in (None, first), 30, message="a new daemon")
+        assert records.daemon_status()["alive"]
+    finally:
+        keeper.close()
+        stop_daemon(records, 10)
+        if keeper.proc is not None:
+            keeper.proc.wait(30)
 
 
 def test_a_run_that_ends_while_no_daemon_watches_is_completed_at_once(tmp_path):
