@@ -180,6 +180,8 @@ def shutdown(records, keeper, args):
         print(f"molt serve: the daemon keeps running; `molt daemon stop --home {records.home}` stops it", flush=True)
     else:
         stop_daemon(records, args.stop_grace, say=lambda text: print(f"molt serve: {text}", flush=True))
+        if keeper.proc is not None:
+            keeper.proc.wait(15)  # our child: reaped here, or it would linger as a zombie
     print("molt serve: stopped", flush=True)
 
 

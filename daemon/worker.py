@@ -47,8 +47,8 @@ def main(argv=None) -> int:
         s.commit()
     print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}", flush=True)
 
+    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory)  # first: it beats while torch imports
     rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
-    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory)
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train
