@@ -1,5 +1,5 @@
 """Live updates: one poller per app reads what was recorded since its last look and fans it out to websockets and
-to the alert webhook.
+to the alert webhook; while a page is open it also looks at the daemon's state, for the banner every page shows.
 
 Why one poller: its cost does not grow with the number of viewers. Every POLL_S it reads the rows newer than its
 cursors (metric, alert and event ids: rowid range scans, microseconds when nothing is new) and the status of the

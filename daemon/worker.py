@@ -77,7 +77,7 @@ def rewind_to_recorded(engine, run_id: int, root: Path):
     before the first unrecorded step instead. Resume is exact, so those steps are trained again and reported."""
     from molt_engine import checkpoint  # here, not at the top: the supervisor imports this module, never torch
 
-    latest = checkpoint.latest(root) if root.exists() else None
+    latest = checkpoint.latest(root)
     if latest is None:
         return
     with Session(engine) as s:
