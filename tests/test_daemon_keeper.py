@@ -7,12 +7,17 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from sqlmodel import Session
 
 from app_support import FAST, ROOT, child_env, molt, serve, web_thread
 from conftest import wait_until
 from daemon.api import Api
+from daemon.db import set_run
 from daemon.keeper import Keeper, stop_daemon
+from daemon.models import Alert, Attempt
+from daemon.sink import DbSink
 
 START = 90  # seconds a worker may take to reach its first steps on a busy machine
 
@@ -200,15 +205,36 @@ def test_serve_adopts_a_running_daemon_and_stops_it_on_ctrl_c(tmp_path):
 
 
 def test_health_and_metrics_without_a_daemon_and_the_metrics_token(tmp_path):
+    # records as workers leave them: a running run with metrics and a breaker trip, attempts that ended uncleanly
+    records = Api(tmp_path)
+    run = records.create_run(FAST, name="watched")["id"]
+    with Session(records.engine) as s:
+        set_run(s, run, ("queued",), status="running", step=7)
+        s.add(Alert(run_id=run, kind="breaker", message="tripped"))
+        for number, cause in enumerate(["SIGKILL", "ValueError: boom", "ValueError: again", "completed"], 1):
+            s.add(Attempt(run_id=run, number=number, ended_at=time.time(), cause=cause))
+        s.add(Attempt(run_id=run, number=5))  # the live one
+        s.commit()
+    sink = DbSink(records.engine, run, 5, flush_every=0.05)
+    sink.metrics(6, {"reward_mean": 0.75, "samples_per_s": 120.0, "staleness_mean": 0.5, "staleness_max": 1.0})
+    sink.close()
+    records.create_run(FAST)
+
     with web_thread(tmp_path, "secret") as (base, _):
-        import httpx
         with httpx.Client(base_url=base) as client:
             response = client.get("/api/v1/health")
             assert response.status_code == 503 and response.json()["status"] == "degraded"
             assert client.get("/metrics").status_code == 401
             client.headers["Authorization"] = "Bearer secret"
             found = scrape(client)
-            assert found[("molt_daemon_up", ())] == 0 and found[("molt_queue_length", ())] == 0
+    labels = (("name", "watched"), ("run_id", str(run)))
+    assert found[("molt_daemon_up", ())] == 0 and found[("molt_queue_length", ())] == 1
+    assert found[("molt_runs", (("status", "running"),))] == 1
+    assert found[("molt_worker_restarts_total", (("cause", "SIGKILL"),))] == 1
+    assert found[("molt_worker_restarts_total", (("cause", "ValueError"),))] == 2
+    assert ("molt_worker_restarts_total", (("cause", "completed"),)) not in found
+    assert [found[(name, labels)] for name in ("molt_run_step", "molt_run_reward", "molt_run_samples_per_second",
+                                               "molt_run_staleness_mean", "molt_run_staleness_max",
+                                               "molt_run_breaker_trips_total")] == [7, 0.75, 120.0, 0.5, 1.0, 1]
     with web_thread(tmp_path, "secret", metrics_public=True) as (base, _):
-        import httpx
         assert scrape(httpx.Client(base_url=base))[("molt_daemon_up", ())] == 0
