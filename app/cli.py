@@ -4,7 +4,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +39,8 @@ def main(argv=None):
     s.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
     s.add_argument("--stop-grace", type=float, default=STOP_GRACE,
                    help=f"on Ctrl-C, seconds the running workers get to checkpoint and stop (default {STOP_GRACE:g})")
+    s.add_argument("--keep-daemon", action="store_true",
+                   help="on Ctrl-C, leave the daemon and its runs running (`molt daemon stop` stops it later)")
     s.set_defaults(func=cmd_serve)
 
     w = commands.add_parser("web", help="only the web app and REST API (run `molt daemon` beside it)")
@@ -47,7 +48,8 @@ def main(argv=None):
     w.set_defaults(func=cmd_web)
 
     # `molt daemon ...` hands its arguments to the daemon's own parser (molt daemon --help lists them)
-    d = commands.add_parser("daemon", help="only the daemon that runs and supervises queued runs", add_help=False)
+    d = commands.add_parser("daemon", help="only the daemon that runs and supervises queued runs "
+                                                 "(`molt daemon stop` stops one)", add_help=False)
     d.add_argument("daemon_args", nargs=argparse.REMAINDER, help="see `molt daemon --help`")
 
     r = commands.add_parser("runs", help="create, watch and control runs through the REST API (for CI)",
@@ -118,21 +120,24 @@ def web_options(p):
                    help="POST every alert as JSON here (Slack-compatible `text`; default $MOLT_WEBHOOK_URL)")
     p.add_argument("--public-url", default=os.environ.get("MOLT_PUBLIC_URL"),
                    help="the address users open, for links in webhook posts (default $MOLT_PUBLIC_URL)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics (Prometheus) without the token, e.g. to a scraper inside a private network")
 
 
 # ---- serve / web / daemon ---------------------------------------------------------------------------------------------
 
 def cmd_serve(args) -> int:
     from daemon.api import Api
+    from daemon.keeper import Keeper
     records = Api(args.home)  # applies the migrations before anything else touches the database
     print(f"molt serve: data directory {records.home}", flush=True)
     use_envs(args.envs, "molt serve")
-    resume_interrupted(records)
-    daemon_proc = start_daemon(records.home, args)
+    keeper = Keeper(records, daemon_command(records.home, args))  # starts the daemon, or adopts a running one
+    keeper.start()
     try:
         serve_web(records.home, args)
     finally:
-        shutdown(records, daemon_proc, args.stop_grace)
+        shutdown(records, keeper, args)
     return 0
 
 
@@ -148,13 +153,10 @@ def cmd_web(args) -> int:
     return 0
 
 
-def start_daemon(home: Path, args) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "daemon", "--home", str(home), "--concurrency", str(args.concurrency),
-           "--stop-grace", str(args.stop_grace)]  # $MOLT_ENVS reaches it through the environment
-    # its own session: a Ctrl-C in this terminal must reach only us, so that we stop the runs in order
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    print(f"molt serve: daemon started (pid {proc.pid})", flush=True)
-    return proc
+def daemon_command(home: Path, args) -> list[str]:
+    # $MOLT_ENVS reaches the daemon and its workers through the environment
+    return [sys.executable, "-m", "daemon", "--home", str(home), "--concurrency", str(args.concurrency),
+            "--stop-grace", str(args.stop_grace)]
 
 
 def serve_web(home: Path, args):
@@ -164,7 +166,8 @@ def serve_web(home: Path, args):
     from .auth import load_or_create_token
     from .main import create_app
     token = load_or_create_token(home)
-    app = create_app(home, token, webhook_url=args.webhook_url, public_url=args.public_url)
+    app = create_app(home, token, webhook_url=args.webhook_url, public_url=args.public_url,
+                     metrics_public=args.metrics_public)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            ws_ping_interval=20, timeout_graceful_shutdown=3))
 
@@ -192,59 +195,20 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
-INTERRUPTED = "interrupted.json"   # runs `molt serve` stopped on exit: the next `molt serve` resumes them
-
-
-def shutdown(records, daemon_proc: subprocess.Popen, grace: float):
-    """Stop the active runs (each worker checkpoints), wait for them, then stop the daemon. A second Ctrl-C skips
-    the wait: the workers then keep running and the next daemon adopts them."""
+def shutdown(records, keeper, args):
+    """Stop watching the daemon, then stop it (its workers checkpoint; the next daemon resumes their runs), unless
+    --keep-daemon. A second Ctrl-C skips the wait for the runs: their workers keep running, adopted later."""
+    from daemon.keeper import stop_daemon
     for sig in (signal.SIGINT, signal.SIGTERM):  # from now on a second Ctrl-C cuts the wait short
         signal.signal(sig, _interrupt)
-    try:
-        if daemon_proc.poll() is None:
-            active = [r for r in records.list_runs(status=["running", "restarting"])]
-            if active:
-                ids = [r["id"] for r in active]
-                print(f"molt serve: stopping run(s) {', '.join(map(str, ids))}: checkpointing "
-                      f"(Ctrl-C again to leave them running)", flush=True)
-                for run_id in ids:
-                    try:
-                        records.stop_run(run_id)
-                    except ValueError:  # it ended meanwhile
-                        pass
-                (records.home / INTERRUPTED).write_text(json.dumps(ids))
-                deadline = time.monotonic() + grace
-                while time.monotonic() < deadline and daemon_proc.poll() is None:
-                    if all(records.get_run(i)["status"] not in ("running", "restarting", "stopping") for i in ids):
-                        break
-                    time.sleep(0.2)
-                for run_id in ids:
-                    print(f"molt serve: run {run_id} {records.get_run(run_id)['status']}", flush=True)
-    except KeyboardInterrupt:
-        print("molt serve: not waiting for the runs; the next daemon adopts their workers", flush=True)
-    finally:
-        if daemon_proc.poll() is None:
-            daemon_proc.send_signal(signal.SIGTERM)
-            try:
-                daemon_proc.wait(15)
-            except subprocess.TimeoutExpired:
-                daemon_proc.kill()
-                daemon_proc.wait()
-        print("molt serve: stopped", flush=True)
-
-
-def resume_interrupted(records):
-    path = records.home / INTERRUPTED
-    if not path.exists():
-        return
-    for run_id in json.loads(path.read_text() or "[]"):
-        try:
-            if records.get_run(run_id)["status"] == "stopped":
-                records.resume_run(run_id)
-                print(f"molt serve: resuming run {run_id}, stopped when molt serve last exited", flush=True)
-        except (KeyError, ValueError):
-            pass
-    path.unlink()
+    keeper.close()
+    if args.keep_daemon:
+        print(f"molt serve: the daemon keeps running; `molt daemon stop --home {records.home}` stops it", flush=True)
+    else:
+        stop_daemon(records, args.stop_grace, say=lambda text: print(f"molt serve: {text}", flush=True))
+        if keeper.proc is not None:
+            keeper.proc.wait(15)  # our child: reaped here, or it would linger as a zombie
+    print("molt serve: stopped", flush=True)
 
 
 # ---- runs (REST client) -----------------------------------------------------------------------------------------------

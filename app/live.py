@@ -1,5 +1,5 @@
 """Live updates: one poller per app reads what was recorded since its last look and fans it out to websockets and
-to the alert webhook.
+to the alert webhook; while a page is open it also looks at the daemon's state, for the banner every page shows.
 
 Why one poller: its cost does not grow with the number of viewers. Every POLL_S it reads the rows newer than its
 cursors (metric, alert and event ids: rowid range scans, microseconds when nothing is new) and the status of the
@@ -20,6 +20,7 @@ import httpx
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.engine import Engine
 
+from daemon.db import DAEMON_HANG_S
 from daemon.models import Alert, Event, Metric, Run
 
 from .series import NONFINITE_NAMES, REPLAY_EVENTS, metric_names
@@ -29,6 +30,7 @@ POLL_S = 0.1
 QUEUE_MAX = 2000          # messages a slow viewer may lag behind before it is disconnected (it then reconnects)
 OVERFLOW = object()
 REPLAY_WATCH_S = 3600     # give up watching a replay that never catches up (e.g. the run was stopped meanwhile)
+DAEMON_CHECK_S = 0.5      # how often the daemon's state is looked at while a page watches it
 
 # The poller's queries, built once (a poll then costs ~0.1 ms when nothing is new). `runs`: the watched run ids.
 METRIC_FIELDS = (Metric.id, Metric.run_id, Metric.name, Metric.step, Metric.value, Metric.time)
@@ -66,10 +68,31 @@ def _finite(v):
     return v
 
 
+def daemon_message(status: dict) -> dict:
+    """What every page shows about the daemon (Api.daemon_status): `message` is empty while it is alive."""
+    last = status["last_event"]
+    if status["alive"]:
+        message = ""
+    elif status["running"]:
+        message = (f"The daemon (pid {status['pid']}) is not responding: no heartbeat for over "
+                   f"{DAEMON_HANG_S:.0f} s. Runs are not supervised until it is restarted.")
+    elif last and last["kind"] == "down":
+        message = (f"The daemon is down: {last['cause']} (pid {last['pid']}); it is being restarted. Queued runs "
+                   f"wait; running workers train on.")
+    else:
+        message = "No daemon is running: queued runs wait, and nobody restarts a worker that dies."
+    return {"type": "daemon", "alive": status["alive"], "pid": status["pid"], "restarts": status["restarts"],
+            "message": message, "last_event": last}
+
+
 class Hub:
-    def __init__(self, engine: Engine, home: Path, webhook_url: str | None = None, public_url: str | None = None,
-                 poll: float = POLL_S):
+    def __init__(self, engine: Engine, home: Path, daemon_status, webhook_url: str | None = None,
+                 public_url: str | None = None, poll: float = POLL_S):
         self.engine, self.home, self.poll = engine, Path(home), poll
+        self.daemon_status = daemon_status   # Api.daemon_status
+        self.daemon_viewers: set[asyncio.Queue] = set()
+        self.daemon: dict | None = None      # the daemon message last pushed
+        self.daemon_checked = 0.0
         self.webhook_url, self.public_url = webhook_url, (public_url or "").rstrip("/")
         self.viewers: dict[int, set[asyncio.Queue]] = {}
         self.last_status: dict[int, dict] = {}
@@ -106,9 +129,22 @@ class Hub:
         except asyncio.TimeoutError:  # no poller running (an app without lifespan): nothing to wait for
             pass
 
+    @contextmanager
+    def subscribe_daemon(self):
+        """A queue of the daemon's state changes (daemon_message), for the banner every page shows."""
+        queue: asyncio.Queue = asyncio.Queue(QUEUE_MAX)
+        self.daemon_viewers.add(queue)
+        try:
+            yield queue
+        finally:
+            self.daemon_viewers.discard(queue)
+
     def publish(self, run_id: int, message: dict):
+        self.send(self.viewers.get(run_id, ()), message)
+
+    def send(self, queues, message: dict):
         text = dumps(message)
-        for queue in list(self.viewers.get(run_id, ())):
+        for queue in list(queues):
             try:
                 queue.put_nowait(text)
             except asyncio.QueueFull:
@@ -129,6 +165,12 @@ class Hub:
                 self.snapshot = asyncio.Event()
                 try:
                     self._dispatch(await asyncio.to_thread(self._read, watched))
+                    if self.daemon_viewers and started - self.daemon_checked >= DAEMON_CHECK_S:
+                        self.daemon_checked = started
+                        daemon = daemon_message(await asyncio.to_thread(self.daemon_status))
+                        if daemon != self.daemon:
+                            self.daemon = daemon
+                            self.send(self.daemon_viewers, daemon)
                 except Exception:  # a busy or migrating database: try again next poll, never die of it
                     log.exception("live update poll failed")
                 self.polls += 1

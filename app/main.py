@@ -1,4 +1,5 @@
-"""The FastAPI application: `create_app(home, token)` wires the REST API, the pages, the websocket and the poller."""
+"""The FastAPI application: `create_app(home, token)` wires the REST API, /metrics, the pages, the websockets and the
+poller."""
 import asyncio
 import logging
 from contextlib import asynccontextmanager
@@ -10,12 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry
 
 from daemon.api import Api, RunNotFound
 
-from . import pages, rest
+from . import pages, prometheus, rest
 from .auth import Auth, load_or_create_token, same_origin
-from .live import OVERFLOW, Hub, dumps
+from .live import OVERFLOW, Hub, daemon_message, dumps
 from .series import SeriesCache
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -24,12 +26,12 @@ log = logging.getLogger("molt.app")
 
 
 def create_app(home: str | Path | None = None, token: str | None = None, *, webhook_url: str | None = None,
-               public_url: str | None = None, poll: float | None = None) -> FastAPI:
+               public_url: str | None = None, poll: float | None = None, metrics_public: bool = False) -> FastAPI:
     """The app over the data directory `home` (migrated on start). `token`: default $MOLT_TOKEN, else the one
-    saved in the data directory (created on first start)."""
+    saved in the data directory (created on first start). `metrics_public`: /metrics without the token."""
     records = Api(home)
     token = token or load_or_create_token(records.home)
-    hub = Hub(records.engine, records.home, webhook_url=webhook_url, public_url=public_url,
+    hub = Hub(records.engine, records.home, records.daemon_status, webhook_url=webhook_url, public_url=public_url,
               **({"poll": poll} if poll else {}))
 
     @asynccontextmanager
@@ -54,6 +56,9 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app.state.api, app.state.auth, app.state.hub = records, Auth(token), hub
     app.state.series = SeriesCache(records.engine)
     app.state.webhook_url = webhook_url
+    app.state.metrics_public = metrics_public
+    app.state.prometheus = CollectorRegistry(auto_describe=False)
+    app.state.prometheus.register(prometheus.RecordsCollector(records))
 
     @app.exception_handler(RunNotFound)
     async def not_found(request: Request, exc: RunNotFound):
@@ -78,8 +83,28 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
                                    swagger_favicon_url="/static/vendor/favicon.png")
 
     app.include_router(rest.router)
+    app.include_router(prometheus.router)
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.websocket("/ws/daemon")
+    async def daemon_updates(ws: WebSocket):
+        """The daemon's state now, then each time it changes: {"type": "daemon", "alive", "pid", "restarts",
+        "message", "last_event"}; `message` says what is wrong while it is not alive (every page shows it)."""
+        method = app.state.auth.method(ws)
+        if method is None or (method == "cookie" and not same_origin(ws)):
+            await ws.close(code=1008)
+            return
+        await ws.accept()
+        try:
+            with hub.subscribe_daemon() as queue:
+                now = daemon_message(await asyncio.to_thread(records.daemon_status))
+                await ws.send_text(dumps(now))
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(_pump(ws, queue))
+                    tasks.create_task(_drain(ws))
+        except* (WebSocketDisconnect, _Overflow):
+            pass
 
     @app.websocket("/ws/runs/{run_id}")
     async def run_updates(ws: WebSocket, run_id: int, after_step: int = -1, max_points: int = BACKFILL_POINTS):

@@ -8,7 +8,7 @@ import time
 from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -34,7 +34,7 @@ class Out(BaseModel):
 
 
 class Health(Out):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"] = Field(description="ok: the web server and the daemon are both alive")
     version: str
     daemon: dict[str, Any]
     time: float
@@ -199,15 +199,20 @@ def api(request: Request):
     return request.app.state.api
 
 
-@router.get("/health", response_model=Health, tags=["meta"])
-def health(request: Request):
-    """Liveness and whether a daemon owns the data directory (no token needed)."""
+@router.get("/health", response_model=Health, tags=["meta"],
+            responses={503: {"model": Health, "description": "degraded: the daemon is down, restarting or hung"}})
+def health(request: Request, response: Response):
+    """Liveness: 200 `ok` when the web server and the daemon that owns the data directory are both alive, else 503
+    `degraded` (so that load balancers and Docker's HEALTHCHECK see it). No token needed."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         v = version("molt-studio")
     except PackageNotFoundError:
         v = "unknown"
-    return {"status": "ok", "version": v, "daemon": api(request).daemon_status(), "time": time.time()}
+    daemon = api(request).daemon_status()
+    if not daemon["alive"]:
+        response.status_code = 503
+    return {"status": "ok" if daemon["alive"] else "degraded", "version": v, "daemon": daemon, "time": time.time()}
 
 
 @protected.get("/envs", response_model=list[EnvInfo], tags=["meta"])

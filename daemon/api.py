@@ -11,8 +11,11 @@ from sqlmodel import Session
 
 from molt_engine.config import RunConfig
 
-from .db import add_event, connect, data_home, lock_holder, run_dir, set_run
-from .models import ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run, now
+from .db import DAEMON_HANG_S, add_event, connect, data_home, lock_holder, run_dir, set_run
+from .models import (ACTIVE, OUTCOMES, STATUSES, TERMINAL, Alert, Attempt, Checkpoint, DaemonEvent, Event, Metric,
+                     PolicyVersion, Run, now)
+
+LIVE_METRICS = ("reward_mean", "samples_per_s", "staleness_mean", "staleness_max")
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
 
@@ -205,10 +208,58 @@ class Api:
             return f.read().decode(errors="replace")
 
     def daemon_status(self) -> dict:
-        """Whether a daemon owns this data directory (it holds MOLT_HOME/daemon.lock), and its pid."""
-        holder = lock_holder(self.home / "daemon.lock")
-        return {"running": holder is not None, "pid": int(holder) if holder and holder.isdigit() else None,
-                "home": str(self.home)}
+        """Whether a daemon owns this data directory (it holds MOLT_HOME/daemon.lock) and is alive (it touched the
+        lock within DAEMON_HANG_S), its pid, the seconds since that touch, how often it went down, and its latest
+        event (started, stopped, or down with the cause)."""
+        path = self.home / "daemon.lock"
+        holder = lock_holder(path)
+        age = None
+        if holder is not None:
+            try:
+                age = max(0.0, now() - path.stat().st_mtime)
+            except FileNotFoundError:  # removed while held: the daemon is going away
+                holder = None
+        with Session(self.engine) as s:
+            last = s.scalars(select(DaemonEvent).order_by(DaemonEvent.id.desc()).limit(1)).first()
+            downs = s.scalar(select(func.count()).where(DaemonEvent.kind == "down"))
+        return {"running": holder is not None, "alive": age is not None and age <= DAEMON_HANG_S,
+                "pid": int(holder) if holder and holder.isdigit() else None, "heartbeat_age": age,
+                "restarts": downs, "last_event": _dict(last) if last else None, "home": str(self.home)}
+
+    def daemon_events(self, limit: int = 50) -> list[dict]:
+        """The daemon's timeline, newest first."""
+        with Session(self.engine) as s:
+            return [_dict(e) for e in s.scalars(select(DaemonEvent).order_by(DaemonEvent.id.desc()).limit(limit))]
+
+    def overview(self) -> dict:
+        """What an operator watches (the /metrics endpoint): runs per status, the daemon's restarts and the workers'
+        unclean ends by cause, and per running run its step, latest reward, samples/s and staleness and its
+        breaker trips."""
+        with Session(self.engine) as s:
+            by_status = dict(s.execute(select(Run.status, func.count()).group_by(Run.status)).all())
+            daemon_downs = s.execute(select(DaemonEvent.cause, func.count()).where(DaemonEvent.kind == "down")
+                                     .group_by(DaemonEvent.cause)).all()
+            worker_ends = s.execute(select(Attempt.cause, func.count()).where(
+                Attempt.ended_at.is_not(None), Attempt.cause.not_in(OUTCOMES)).group_by(Attempt.cause)).all()
+            running = s.scalars(select(Run).where(Run.status == "running").order_by(Run.id)).all()
+            latest = {r.id: {} for r in running}
+            for run in running:  # one index seek per value: (run_id, name, step) is unique
+                for name in LIVE_METRICS:
+                    row = s.execute(select(Metric.value).where(Metric.run_id == run.id, Metric.name == name)
+                                    .order_by(Metric.step.desc()).limit(1)).first()
+                    if row:
+                        latest[run.id][name] = math.nan if row.value is None else row.value
+            trips = dict(s.execute(select(Alert.run_id, func.count()).where(Alert.kind == "breaker")
+                                   .group_by(Alert.run_id)).all())
+        causes: dict[str, int] = {}
+        for cause, n in worker_ends:  # "ValueError: <message>" -> "ValueError": one label value per kind of end
+            key = (cause or "unknown").split(":")[0][:60]
+            causes[key] = causes.get(key, 0) + n
+        return {"runs_by_status": {status: by_status.get(status, 0) for status in STATUSES},
+                "daemon_restarts": {cause or "unknown": n for cause, n in daemon_downs},
+                "worker_restarts": causes,
+                "running": [{"id": r.id, "name": r.name, "step": r.step, "latest": latest[r.id],
+                             "breaker_trips": trips.get(r.id, 0)} for r in running]}
 
     def run_dir(self, run_id: int) -> Path:
         return run_dir(self.home, run_id)

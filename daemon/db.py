@@ -6,14 +6,18 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import platformdirs
-from sqlalchemy import event, update
+from sqlalchemy import event, select, update
 from sqlalchemy.engine import Engine
-from sqlmodel import create_engine
+from sqlmodel import Session, create_engine
 
-from .models import Event, Run
+from .models import Alert, DaemonEvent, Event, Run, now
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 BUSY_TIMEOUT_S = 30
+# The daemon touches its lock file after every poll. No touch for this long and it counts as hung: the web reports
+# it degraded and `molt serve` kills and restarts it. Above BUSY_TIMEOUT_S: a poll that waited out one busy database
+# statement is slow, not hung.
+DAEMON_HANG_S = 60.0
 
 
 def data_home(home: str | Path | None = None) -> Path:
@@ -138,3 +142,24 @@ def set_run(conn, run_id: int, only_if: tuple[str, ...] | None = None, **values)
 def add_event(session, run_id: int, kind: str, message: str, **data):
     """A daemon-side event on the run's timeline (the session's commit writes it)."""
     session.add(Event(run_id=run_id, kind=kind, source="daemon", message=message, data=data))
+
+
+def finish_run(session, run_id: int, status: str, cause: str, attempt: int, only_if: tuple[str, ...]) -> bool:
+    """Give a run its final status (completed, stopped, tripped) if its status is still one of `only_if`, with the
+    event that says why; a tripped run's last_error is the breaker's last alert. The worker calls it as it ends,
+    the supervisor when it sees the worker gone: whichever comes first decides, the other changes nothing."""
+    extra = {}
+    if status == "tripped":
+        extra["last_error"] = session.scalar(select(Alert.message).where(
+            Alert.run_id == run_id, Alert.kind == "breaker").order_by(Alert.id.desc()).limit(1)) or cause
+    if not set_run(session, run_id, only_if, status=status, pid=None, finished_at=now(), next_start_at=None,
+                   **extra):
+        return False
+    add_event(session, run_id, status, f"attempt {attempt} ended: {cause}; run {status}", attempt=attempt)
+    return True
+
+
+def add_daemon_event(engine: Engine, kind: str, message: str, pid: int | None = None, cause: str | None = None):
+    with Session(engine) as s:
+        s.add(DaemonEvent(kind=kind, message=message, pid=pid, cause=cause))
+        s.commit()

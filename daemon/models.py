@@ -17,6 +17,7 @@ SQLModel.metadata.naming_convention = {
 ACTIVE = ("running", "restarting", "stopping")       # a slot is taken: a worker lives or is about to
 TERMINAL = ("completed", "failed", "stopped", "tripped")
 STATUSES = ("queued",) + ACTIVE + TERMINAL
+OUTCOMES = ("completed", "stopped", "tripped")      # a worker's clean ends; each is also the run's final status
 
 
 def now() -> float:
@@ -150,3 +151,15 @@ class Event(SQLModel, table=True):
     message: str = Field(sa_column=Column(Text, nullable=False))
     data: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     uid: str | None = Field(default=None, unique=True)
+
+
+class DaemonEvent(SQLModel, table=True):
+    """The daemon's own timeline: `started` and `stopped` (written by the daemon), `down` (written by whoever keeps
+    it alive, `molt serve`, with the cause: SIGKILL, exit code N, hang)."""
+    __tablename__ = "daemon_event"
+    id: int | None = Field(default=None, primary_key=True)
+    time: float = Field(default_factory=now)
+    kind: str
+    pid: int | None = None
+    cause: str | None = None
+    message: str = Field(sa_column=Column(Text, nullable=False))

@@ -1,11 +1,13 @@
 """The daemon: starts queued runs as worker processes, watches heartbeats and exits, restarts, reconciles."""
 import argparse
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -13,14 +15,15 @@ from typing import IO
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from .db import add_event, connect, data_home, hold_lock, lock_holder, run_dir, set_run
-from .models import ACTIVE, Alert, Attempt, Run, now
+from .db import (add_daemon_event, add_event, connect, data_home, finish_run, hold_lock, lock_holder, run_dir,
+                 set_run)
+from .models import ACTIVE, OUTCOMES, Alert, Attempt, Run, now
 from .sink import replay_spools
 from .worker import DUPLICATE
 
 log = logging.getLogger("molt.daemon")
 ROOT = Path(__file__).resolve().parent.parent   # on the workers' PYTHONPATH: they run this same code
-OUTCOMES = ("completed", "stopped", "tripped")  # a worker's clean ends; each is also the run's final status
+INTERRUPTED = "interrupted.json"   # runs stopped together with their daemon: the next daemon resumes them
 
 
 class DaemonRunning(RuntimeError):
@@ -59,26 +62,48 @@ class Supervisor:
         """Supervise until `stop` is set. Workers keep running when the daemon exits; the next daemon adopts them."""
         stop = stop or threading.Event()
         self.home.mkdir(parents=True, exist_ok=True)
-        lock = hold_lock(self.home / "daemon.lock", str(os.getpid()))
-        if lock is None:
-            raise DaemonRunning(f"a daemon (pid {lock_holder(self.home / 'daemon.lock')}) already owns {self.home}")
+        # Retry for a moment: whoever asks whether a daemon runs (the web, every half second) holds the lock briefly.
+        deadline = time.monotonic() + 1.0
+        while (lock := hold_lock(self.home / "daemon.lock", str(os.getpid()))) is None:
+            if time.monotonic() > deadline:
+                raise DaemonRunning(f"a daemon (pid {lock_holder(self.home / 'daemon.lock')}) already owns "
+                                    f"{self.home}")
+            time.sleep(0.05)
         try:
             self.engine = connect(self.home)
+            add_daemon_event(self.engine, "started", f"daemon started (pid {os.getpid()})", pid=os.getpid())
             log.info("daemon pid %d on %s: concurrency %d, heartbeat timeout %.0fs", os.getpid(), self.home,
                      self.concurrency, self.heartbeat_timeout)
+            self.resume_interrupted()
             while not stop.is_set():
                 try:
                     self.tick()
                 except Exception:  # e.g. a database error: log it and try again next poll, never die of it
                     log.exception("supervisor tick failed")
+                os.utime(lock.fileno())  # the daemon's heartbeat: see DAEMON_HANG_S
                 stop.wait(self.poll)
             if self.workers:
                 log.info("leaving %d worker(s) running; the next daemon adopts them", len(self.workers))
+            add_daemon_event(self.engine, "stopped", f"daemon stopped (pid {os.getpid()})", pid=os.getpid())
         finally:
             for w in self.workers.values():
                 if w.log:
                     w.log.close()
             lock.close()
+
+    def resume_interrupted(self):
+        """Runs stopped together with the last daemon (`molt daemon stop`, Ctrl-C of `molt serve`) continue now."""
+        path = self.home / INTERRUPTED
+        if not path.exists():
+            return
+        with Session(self.engine) as s:
+            for run_id in json.loads(path.read_text() or "[]"):
+                if set_run(s, run_id, ("stopped",), status="queued", retries=0, finished_at=None,
+                           next_start_at=None):
+                    add_event(s, run_id, "resume_requested", "resumed: it was stopped with the last daemon")
+                    log.info("resuming run %d, stopped with the last daemon", run_id)
+            s.commit()
+        path.unlink()
 
     def tick(self):
         self.watch()
@@ -157,8 +182,9 @@ class Supervisor:
             else:
                 cause = f"exit code {rc}"
             end_step = s.scalar(select(Run.step).where(Run.id == run_id))
+            ended_at = func.coalesce(Attempt.ended_at, now())  # the worker's own record of its end, if it made one
             s.execute(update(Attempt).where(Attempt.id == attempt_id).values(
-                ended_at=now(), exit_code=rc, signal=sig, cause=cause, end_step=end_step))
+                ended_at=ended_at, exit_code=rc, signal=sig, cause=cause, end_step=end_step))
             s.commit()
             attempt.end_step = end_step
             if rc != DUPLICATE:
@@ -177,15 +203,11 @@ class Supervisor:
             run = s.get(Run, run_id, populate_existing=True)
             t, n = now(), attempt.number
             retries = 1 if progressed else run.retries + 1
+            if run.status not in ACTIVE:
+                return  # the worker recorded its own end (finish_run), or the API changed the run meanwhile
             if terminal or run.status == "stopping":
                 status = terminal or "stopped"
-                extra = {}
-                if status == "tripped":  # the breaker's last alert says why
-                    extra["last_error"] = s.scalar(select(Alert.message).where(
-                        Alert.run_id == run_id, Alert.kind == "breaker").order_by(Alert.id.desc()).limit(1)) or cause
-                if set_run(s, run_id, (run.status,), status=status, pid=None, finished_at=t, next_start_at=None,
-                           **extra):
-                    add_event(s, run_id, status, f"attempt {n} ended: {cause}; run {status}", attempt=n)
+                if finish_run(s, run_id, status, cause, n, (run.status,)):
                     log.info("run %d: %s", run_id, status)
                     return
             elif not counted:
@@ -310,7 +332,8 @@ class Supervisor:
 
 def cli_main(argv=None) -> int:
     """`molt daemon` / `python -m daemon`: supervise until SIGTERM or Ctrl-C."""
-    p = argparse.ArgumentParser(prog="molt daemon", description="Run queued training runs as supervised workers.")
+    p = argparse.ArgumentParser(prog="molt daemon", description="Run queued training runs as supervised workers. "
+                                                     "`molt daemon stop --home DIR` stops one gracefully.")
     p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     p.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0,

@@ -9,8 +9,8 @@ from pathlib import Path
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from .db import connect, data_home, hold_lock, run_dir
-from .models import Attempt, Metric, Run
+from .db import connect, data_home, finish_run, hold_lock, run_dir
+from .models import ACTIVE, Attempt, Metric, Run, now
 from .sink import DbSink
 
 DUPLICATE = 75          # exit code: another worker of this run is alive (EX_TEMPFAIL); this one never started
@@ -47,8 +47,8 @@ def main(argv=None) -> int:
         s.commit()
     print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}", flush=True)
 
+    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory)  # first: it beats while torch imports
     rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
-    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory)
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train
@@ -64,48 +64,49 @@ def main(argv=None) -> int:
     finally:
         sink.close()
     print(f"molt worker: attempt {number} ended: {values['outcome']}", flush=True)
-    _record(engine, args.run_id, args.attempt, values, summary)
+    _record(engine, args.run_id, args.attempt, number, values, summary)
     _held.append(lock)  # released by the kernel at exit, not before: the process is gone when the lock is free
     return code
 
 
 def rewind_to_recorded(engine, run_id: int, root: Path):
-    """Resume from the newest checkpoint whose steps are all recorded. The engine (today) saves checkpoint S before
-    it reports step S-1's metrics, so a kill in between leaves a checkpoint past the records; resuming from it would
-    leave step S-1 without metrics forever. Point `latest` back to a checkpoint at or before the first unrecorded
-    step instead: resume is exact, so those steps are trained again identically and reported this time."""
-    pointer = root / "latest"
-    if not pointer.exists():
+    """Resume from the newest checkpoint whose steps are all recorded. The engine reports a step's metrics before
+    it saves that step's checkpoint, and the sink's spool (replayed before this attempt) keeps what was reported,
+    so normally nothing is missing. If metrics were lost all the same (a spool on a full disk, a deleted file), a
+    checkpoint past the records would leave those steps without metrics forever: point `latest` back to one at or
+    before the first unrecorded step instead. Resume is exact, so those steps are trained again and reported."""
+    from molt_engine import checkpoint  # here, not at the top: the supervisor imports this module, never torch
+
+    latest = checkpoint.latest(root)
+    if latest is None:
         return
     with Session(engine) as s:
         last = s.scalar(select(func.max(Metric.step)).where(Metric.run_id == run_id, Metric.name == "version"))
     recorded = -1 if last is None else last  # steps 0..recorded have metrics
-    latest = _step(pointer.read_text().strip())
-    if latest is None or latest <= recorded + 1:
+    if checkpoint.step_of(latest) <= recorded + 1:
         return
-    older = [p for p in root.glob("step-*") if (p / "state.pt").exists() and (_step(p.name) or 0) <= recorded + 1]
+    older = [p for p in checkpoint.complete(root) if checkpoint.step_of(p) <= recorded + 1]
     if older:
-        target = max(older, key=lambda p: _step(p.name))
-        print(f"molt worker: checkpoint {latest} is past the recorded steps (0..{recorded}); resuming from "
-              f"{target.name}", flush=True)
-        tmp = root / f".latest.{os.getpid()}"
-        tmp.write_text(target.name)
-        os.replace(tmp, pointer)
+        print(f"molt worker: checkpoint {latest.name} is past the recorded steps (0..{recorded}); resuming from "
+              f"{older[-1].name}", flush=True)
+        checkpoint.point_latest(root, older[-1])
 
 
-def _step(name: str) -> int | None:
-    return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
-
-
-def _record(engine, run_id: int, attempt_id: int, values: dict, summary: dict | None):
-    """The outcome, for the supervisor (which owns the run's status). Retried: losing it would turn a success into
-    an unexplained death."""
+def _record(engine, run_id: int, attempt_id: int, number: int, values: dict, summary: dict | None):
+    """The outcome, and for a clean end (completed, stopped, tripped) the run's final status too, compare-and-set as
+    the supervisor does it: a run that ends while no daemon watches is final at once. Retried: losing it would turn
+    a success into an unexplained death."""
+    outcome = values["outcome"]
     for i in range(30):
         try:
             with Session(engine) as s:
+                if outcome != "error":
+                    values.update(ended_at=now(), cause=outcome, end_step=s.get(Run, run_id).step)
                 s.execute(update(Attempt).where(Attempt.id == attempt_id).values(**values))
                 if summary is not None:
                     s.execute(update(Run).where(Run.id == run_id).values(summary=summary))
+                if outcome != "error":
+                    finish_run(s, run_id, outcome, outcome, number, ACTIVE)
                 s.commit()
             return
         except Exception as e:

@@ -21,7 +21,7 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None) -
     _fsync_tree(tmp)
     shutil.rmtree(final, ignore_errors=True)  # a resumed run may write the same step again
     os.replace(tmp, final)
-    _write_atomically(root / "latest", final.name)
+    point_latest(root, final)
     return final
 
 
@@ -37,13 +37,27 @@ def save_policy(path: Path, model, processor, weights: dict):
     os.replace(tmp, path)
 
 
+def point_latest(root: Path, path: Path):
+    """Make `latest` name the checkpoint at `path` (atomically, and durably)."""
+    _write_atomically(root / "latest", path.name)
+
+
 def latest(root: Path) -> Path | None:
     """The checkpoint `latest` points to; if a crash left it dangling, the newest complete one."""
     pointer = root / "latest"
     if pointer.exists() and (root / pointer.read_text().strip() / "state.pt").exists():
         return root / pointer.read_text().strip()
-    complete = [p for p in sorted(root.glob("step-*")) if (p / "state.pt").exists()]
-    return complete[-1] if complete else None
+    done = complete(root)
+    return done[-1] if done else None
+
+
+def complete(root: Path) -> list[Path]:
+    """The complete checkpoints under root (written whole: they have their state.pt), oldest first."""
+    return [p for p in sorted(root.glob("step-*")) if (p / "state.pt").exists()]
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step-"))
 
 
 def load(path: Path, model, reference=None) -> dict:

@@ -73,7 +73,7 @@ def test_every_api_and_ws_route_rejects_a_missing_or_wrong_token(web):
     paths = {path for path, _ in api_routes}
     assert {"/api/v1/runs", "/api/v1/runs/{run_id}", "/api/v1/runs/{run_id}/metrics", "/api/v1/envs",
             "/api/v1/runs/{run_id}/stop", "/api/v1/runs/{run_id}/wait"} <= paths
-    assert ws_routes == ["/ws/runs/{run_id}"]
+    assert ws_routes == ["/ws/daemon", "/ws/runs/{run_id}"]
     assert all(issubclass(kind, (APIRoute, WebSocketRoute)) for path, _, kind in routes
                if path.startswith(("/api", "/ws"))), "a route kind this test does not check"
 
@@ -88,7 +88,10 @@ def test_every_api_and_ws_route_rejects_a_missing_or_wrong_token(web):
                     response = anonymous.request(method, path, **auth)
                     assert response.status_code == 401, (method, path, auth, response.status_code)
                     checked += 1
-        assert anonymous.get("/api/v1/health").status_code == 200  # the one exception
+        for auth in wrong:  # /metrics: protected like the API (unless --metrics-public)
+            assert anonymous.get("/metrics", **auth).status_code == 401
+            checked += 1
+        assert anonymous.get("/api/v1/health").status_code == 503  # the one exception (no daemon: degraded)
 
     async def ws_rejected(url, **kw):
         with pytest.raises(websockets.exceptions.InvalidStatus) as e:
@@ -104,7 +107,8 @@ def test_every_api_and_ws_route_rejects_a_missing_or_wrong_token(web):
             assert asyncio.run(ws_rejected(ws_base + path, **kw)) == 403
         assert asyncio.run(ws_rejected(ws_base + path + "?token=wrong")) == 403
         # and the right token gets in (so the rejections above are about the token)
-        assert asyncio.run(ws_first(ws_base + path + f"?token={TOKEN}"))["type"] == "status"
+        first = asyncio.run(ws_first(ws_base + path + f"?token={TOKEN}"))
+        assert first["type"] == ("daemon" if path == "/ws/daemon" else "status")
     assert checked >= 5 * 14
 
 
@@ -402,8 +406,9 @@ def test_alert_webhook_posts_slack_compatible_json_and_acknowledging_clears_the_
 
 
 def test_health_needs_no_token_and_envs_lists_the_builtins(web):
-    health = httpx.get(web["base"] + "/api/v1/health").json()
-    assert health["status"] == "ok" and health["daemon"]["running"] is False
+    response = httpx.get(web["base"] + "/api/v1/health")
+    health = response.json()
+    assert response.status_code == 503 and health["status"] == "degraded" and health["daemon"]["running"] is False
     names = [e["name"] for e in web["client"].get("/api/v1/envs").json()]
     assert {"max_digit", "calculator", "guess_number"} <= set(names)
     assert web["client"].get("/openapi.json").json()["paths"]["/api/v1/runs/{run_id}/metrics"]

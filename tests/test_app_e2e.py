@@ -108,7 +108,7 @@ def test_ctrl_c_stops_the_worker_with_a_checkpoint_then_the_daemon_and_the_next_
     assert checkpoints and checkpoints[-1]["exists"] and checkpoints[-1]["step"] == stopped["step"]
     assert daemon_pid is not None and not pid_alive(daemon_pid)
     with serve(tmp_path) as again:  # the run interrupted by Ctrl-C continues from its checkpoint
-        assert f"resuming run {run['id']}" in again.output
+        wait_until(lambda: f"resuming run {run['id']}" in again.output, 60, message="the daemon to say it resumes")
         resumed = wait_until(lambda: [a for a in again.client.get(f"/api/v1/runs/{run['id']}/attempts").json()
                                       if a["number"] == 2 and a["start_step"] is not None], 90)
         assert resumed[0]["start_step"] == stopped["step"]

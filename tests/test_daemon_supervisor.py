@@ -138,7 +138,8 @@ def test_crash_and_sigkill_restart_from_the_latest_checkpoint_with_no_lost_or_du
     studio.wait_step(run, 18)
     pid = studio.worker_pid(run)
     os.kill(pid, signal.SIGKILL)
-    final = api.wait_run(run, timeout=120)
+    final = api.wait_run(run, timeout=120)  # the worker marks the run completed itself, then exits
+    wait_until(lambda: api.attempts(run)[-1]["exit_code"] is not None, 30, message="the daemon to see the exit")
 
     attempts = api.attempts(run)
     print("attempts:", [(a["number"], a["cause"], a["start_step"], a["end_step"]) for a in attempts])

@@ -1,8 +1,10 @@
 """A and F. The dashboard in Debian's Chromium driven by Playwright, against `molt serve` (real daemon, real
 training): log in, launch from the form, live charts, reconnect, completion; a breaker drill's alert as a toast
 within a second, acknowledged, and posted to a webhook. Screenshots go to test-artifacts/."""
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -215,3 +217,21 @@ def test_a_vision_language_run_from_the_form_trains_on_images(served, page):
     wait_until(lambda: page.locator("#chart-reward").get_attribute("data-points") == "6", 20, message="6 rewards")
     expect(page.locator("[id^=chart-experts-l]")).to_have_count(0)  # a dense policy has no expert load
     screenshot(page, "run-page-tiny-vlm.png")
+
+
+def test_the_daemon_banner_appears_on_every_page_while_the_daemon_is_down_and_goes_when_it_is_back(tmp_path, page):
+    with serve(tmp_path) as served:
+        daemon = lambda: served.client.get("/api/v1/health").json()["daemon"]  # noqa: E731
+        banner = page.locator("#daemon-banner")
+        page.goto(served.url)
+        for where in ("/", "/runs/new"):  # the runs list, then another page: the banner is on every page
+            page.goto(served.base + where)
+            pid = wait_until(lambda: (d := daemon())["alive"] and d["pid"], 60, message="a live daemon")
+            expect(banner).to_be_hidden()
+            os.kill(pid, signal.SIGKILL)
+            expect(banner).to_be_visible(timeout=10_000)
+            expect(banner).to_contain_text("SIGKILL")
+            screenshot(page, f"daemon-banner{where.replace('/', '-')}.png")
+            expect(banner).to_be_hidden(timeout=60_000)
+            assert daemon()["alive"] and daemon()["pid"] != pid
+            expect(page.locator(".toast.info", has_text="The daemon is back").last).to_be_visible()

@@ -327,6 +327,27 @@ const Molt = (() => {
     setInterval(load, 10000);  // runs still training keep growing
   }
 
+  // ---- every page: the banner while the daemon is down, from /ws/daemon; a toast when it is back ------------------
+  function daemonBanner() {
+    const banner = document.getElementById("daemon-banner");
+    if (!banner) return;  // the login page: no token yet
+    let retry = 0, wasDown = false;
+    function connect() {
+      const proto = location.protocol === "https:" ? "wss" : "ws";
+      const ws = new WebSocket(`${proto}://${location.host}/ws/daemon`);
+      ws.onopen = () => { retry = 0; };
+      ws.onmessage = (e) => {
+        const msg = JSON.parse(e.data);
+        banner.hidden = msg.alive; banner.textContent = msg.message;
+        if (msg.alive && wasDown) toast(`The daemon is back (pid ${msg.pid}).`, "info");
+        wasDown = !msg.alive;
+      };
+      ws.onclose = () => setTimeout(connect, Math.min(5000, 300 * 2 ** retry++));
+    }
+    connect();
+  }
+
+  document.addEventListener("DOMContentLoaded", daemonBanner);
   document.addEventListener("DOMContentLoaded", () => formatTimes(document));
   document.addEventListener("htmx:load", (e) => formatTimes(e.target));
   return {runPage, comparePage, toast, ema, Series};
