@@ -25,6 +25,7 @@ from .envs import make_env
 from .episode import Episode, collate, token_logprobs
 from .models import load_policy, routers, routing_stats
 from .sampler import Sampler
+from .samples import record, training_samples
 
 EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
 DEMO_SEEDS = 1 << 61
@@ -36,6 +37,7 @@ class Sink(Protocol):
     def alert(self, kind: str, message: str, **data) -> None: ...
     def event(self, kind: str, message: str, **data) -> None: ...
     def checkpoint(self, step: int, path: str, **info) -> None: ...
+    def samples(self, step: int, kind: str, records: list[dict]) -> None: ...  # kind: "train" or "eval"
     def heartbeat(self) -> None: ...  # optional; about every second while the event loop is alive
 
 
@@ -44,6 +46,7 @@ class NullSink:
     def alert(self, kind, message, **data): pass
     def event(self, kind, message, **data): pass
     def checkpoint(self, step, path, **info): pass
+    def samples(self, step, kind, records): pass
     def heartbeat(self): pass
 
 
@@ -215,15 +218,16 @@ class Run:
         obs = await _env_call(env.reset(seed))
         ep = Episode(seed=seed, group=group)
         self.observe(ep, obs.text, obs.images)
-        info = {"turns": 0, "tool_calls": 0, "truncated": True, "entropy": 0.0}
+        info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "truncated": True, "entropy": 0.0}
         limit = self.model.config.get_text_config().max_position_embeddings
         for turn in range(env.max_turns):
             if len(ep.token_ids) + env.max_tokens > limit:
                 break
             req = await self.sampler.generate(ep.token_ids, env.max_tokens, images=ep.images, greedy=greedy,
                                               seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
-            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts)
-            info["entropy"] += req.entropy
+            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts,
+                      entropies=req.entropies)
+            info["entropy"] += sum(req.entropies)
             text = self.tokenizer.decode(req.ids[:-1] if req.ids[-1] == self.eos_id else req.ids)
             if drill and drill.random() < self.cfg.drills.env_error_rate:
                 raise _EnvError("drill: injected env error (drills.env_error_rate)")
@@ -231,6 +235,7 @@ class Run:
             ep.reward += result.reward
             info["turns"] += 1
             info["tool_calls"] += bool(result.info.get("tool_call"))
+            info["tool_errors"] += bool(result.info.get("tool_error"))
             if result.terminated or result.truncated:
                 info["truncated"] = result.truncated
                 break
@@ -267,7 +272,7 @@ class Run:
             if batch is None:  # stop requested while waiting for rollouts
                 break
             groups, waited = batch
-            metrics, weights = await asyncio.to_thread(self.update, groups)
+            metrics, weights, samples = await asyncio.to_thread(self.update, groups)
             self.step += 1
             if weights is None:
                 weights = await self.on_trip(step, groups, metrics)
@@ -278,6 +283,8 @@ class Run:
             last, sampler_last = now, dict(self.sampler.stats)
             self.check_alerts(step, metrics, sum(len(g) for g in groups))
             self.sink.metrics(step, metrics)  # before the checkpoint: a checkpoint never gets ahead of the records
+            if samples:
+                self.sink.samples(step, "train", samples)
             self.summary.update(metrics, step=self.step, version=version)
             every = self.cfg.checkpoint.every
             if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
@@ -393,8 +400,9 @@ class Run:
                                 value=value, threshold=threshold)
             (self.alerting.add if above else self.alerting.discard)(name)
 
-    def update(self, groups: list[list[Episode]]) -> tuple[dict, dict]:
-        """One optimizer step on a batch (runs in a worker thread). Returns metrics and the weights to publish."""
+    def update(self, groups: list[list[Episode]]) -> tuple[dict, dict, list[dict]]:
+        """One optimizer step on a batch (runs in a worker thread). Returns metrics, the weights to publish and the
+        records of the batch's samples (record.samples_per_step groups)."""
         algo, episodes = self.cfg.algo, [e for g in groups for e in g]
         if algo.estimator in GROUP_ESTIMATORS:
             adv = torch.cat([advantages(torch.tensor([[e.reward for e in g]]), algo.estimator)[0] for g in groups])
@@ -470,7 +478,9 @@ class Run:
         }
         if math.isfinite(threshold):
             metrics["breaker_threshold"] = threshold
-        return metrics, weights
+        samples = training_samples(groups, adv.tolist(), keep, logp.detach(), batch["prompt_width"],
+                                   self.cfg.record.samples_per_step, self.processor, self.version)
+        return metrics, weights, samples
 
     def throughput(self, groups, seconds: float, waited: float, sampler_last: dict) -> dict:
         """Rates over the wall time since the previous step, and counters since then (reset after reporting)."""
@@ -493,6 +503,8 @@ class Run:
                       "eval_pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
                       "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes)}
             self.sink.metrics(step, values)
+            self.sink.samples(step, "eval", [record(e, self.processor, self.version)
+                                             for e in episodes[:self.cfg.record.eval_samples]])
             self.summary.update(values)
             if self.best is None or values["eval_reward"] > self.best[0]:
                 self.best = (values["eval_reward"], step)
