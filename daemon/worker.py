@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}", flush=True)
 
     rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
-    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory)
+    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory,
+                  keep_samples=config.get("record", {}).get("keep_steps"))
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train
