@@ -37,7 +37,7 @@ class Sink(Protocol):
     def alert(self, kind: str, message: str, **data) -> None: ...
     def event(self, kind: str, message: str, **data) -> None: ...
     def checkpoint(self, step: int, path: str, **info) -> None: ...
-    def samples(self, step: int, kind: str, records: list[dict]) -> None: ...  # kind: "train" or "eval"
+    def samples(self, step: int, kind: str, records: list[dict]) -> None: ...  # optional; kind "train" or "eval"
     def heartbeat(self) -> None: ...  # optional; about every second while the event loop is alive
 
 
@@ -283,7 +283,7 @@ class Run:
             last, sampler_last = now, dict(self.sampler.stats)
             self.check_alerts(step, metrics, sum(len(g) for g in groups))
             self.sink.metrics(step, metrics)  # before the checkpoint: a checkpoint never gets ahead of the records
-            if samples:
+            if samples and hasattr(self.sink, "samples"):
                 self.sink.samples(step, "train", samples)
             self.summary.update(metrics, step=self.step, version=version)
             every = self.cfg.checkpoint.every
@@ -503,8 +503,9 @@ class Run:
                       "eval_pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
                       "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes)}
             self.sink.metrics(step, values)
-            self.sink.samples(step, "eval", [record(e, self.processor, self.version)
-                                             for e in episodes[:self.cfg.record.eval_samples]])
+            if hasattr(self.sink, "samples"):
+                self.sink.samples(step, "eval", [record(e, self.processor, self.version)
+                                                 for e in episodes[:self.cfg.record.eval_samples]])
             self.summary.update(values)
             if self.best is None or values["eval_reward"] > self.best[0]:
                 self.best = (values["eval_reward"], step)
