@@ -5,7 +5,8 @@ defaults: 2 groups per step, 4 episodes per eval) and off (record.samples_per_st
 
 Runs alternate on/off and their order within each pair. Prints each run's median samples/s (steps after the first
 few), the median over pairs of the on/off ratio, and the CPU the recording takes, which machine noise cannot hide:
-building the records (in the trainer's thread) and the sink calls (on the event loop), as shares of training time.
+building the records (in the trainer's thread), the sink calls (on the event loop) and the extra CPU of the sink's
+writer thread (on minus off), as shares of the training time.
 """
 import argparse
 import statistics
@@ -66,6 +67,7 @@ def main():
 
     ratios, medians = [], {"on": [], "off": []}
     train_s = call_s = 0.0
+    writer_s = {"on": 0.0, "off": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
         api = Api(Path(tmp) / "home")
         for i in range(args.pairs):
@@ -78,6 +80,7 @@ def main():
                 elapsed = time.perf_counter() - t0
                 sink.inner.close()
                 assert sink.inner.failures == 0
+                writer_s[kind] += sink.inner.writer_cpu_s
                 pair[kind] = statistics.median(sink.rates[SKIP:])
                 medians[kind].append(pair[kind])
                 if kind == "on":
@@ -86,11 +89,14 @@ def main():
                 print(f"  pair {i + 1} {kind:3s}: median {pair[kind]:6.1f} samples/s", flush=True)
             ratios.append(pair["on"] / pair["off"])
     cost = (1 - statistics.median(ratios)) * 100
+    extra = writer_s["on"] - writer_s["off"]
     print(f"recording off: {statistics.median(medians['off']):.1f} samples/s   on: "
           f"{statistics.median(medians['on']):.1f} samples/s   cost (median of {args.pairs} paired ratios): "
           f"{cost:+.2f}%   ({args.steps} steps per run, 8 groups x 8 per step)")
     print(f"recording CPU: building records {build_s * 1e3:.0f} ms = {build_s / train_s * 100:.2f}% of the training "
-          f"time, sink calls {call_s * 1e3:.0f} ms = {call_s / train_s * 100:.2f}% ({stored} samples in the last run)")
+          f"time, sink calls {call_s * 1e3:.0f} ms = {call_s / train_s * 100:.2f}%, writer thread "
+          f"{extra * 1e3:.0f} ms = {extra / train_s * 100:.2f}%; total {(build_s + call_s + extra) / train_s * 100:.2f}% "
+          f"({stored} samples in the last run)")
 
 
 if __name__ == "__main__":

@@ -166,3 +166,24 @@ def test_rest_filters_pages_and_exports_the_samples(recorded):
         bad = client.get(url, params={"kind": "both"})
         assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "kind"]
         assert client.get("/api/v1/runs/999/samples").status_code == 404
+
+
+def test_images_come_back_as_png_thumbnails_of_what_the_policy_saw():
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from molt_engine.envs import Shapes
+    _, processor = load_policy(ModelConfig(preset="tiny-vlm"), 0)
+    image = Shapes.render("red", "square", [(2, 2), (18, 18)])
+    inputs = processor(text="<image>colour?", images=[image], add_special_tokens=False, return_tensors="pt")
+    e = Episode(seed=0, group=0, images=list(inputs["pixel_values"]))
+    e.extend(inputs["input_ids"][0].tolist())
+    [url] = record(e, processor, 0)["images"]
+    assert url.startswith("data:image/png;base64,")
+    thumb = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")
+    original = image.resize(thumb.size).convert("RGB")
+    worst = np.abs(np.asarray(thumb, dtype=int) - np.asarray(original, dtype=int)).max()
+    assert worst <= 3  # normalization undone: the colours of the image the policy saw
