@@ -31,6 +31,7 @@ def record(e: Episode, processor, version: int, advantage: float | None = None,
     thumbnails. trainer_logprobs None: not in the training forward (advantage 0, or an eval episode)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     first_action = e.is_action.index(True) if any(e.is_action) else len(e.token_ids)
+    entropies = e.entropies or [None] * len(e.token_ids)  # none in episodes restored from older checkpoints
     return {
         "group": e.group, "seed": e.seed, "version": version, "reward": e.reward, "advantage": advantage,
         "success": bool(e.info.get("success")), "turns": e.info.get("turns", 0),
@@ -41,7 +42,7 @@ def record(e: Episode, processor, version: int, advantage: float | None = None,
             "logprob": [lp if a else None for lp, a in zip(e.logprobs, e.is_action)],
             "trainer_logprob": [lp if a else None for lp, a in zip(trainer_logprobs, e.is_action)]
                                if trainer_logprobs else [None] * len(e.token_ids),
-            "version": e.versions, "entropy": [h if a else None for h, a in zip(e.entropies, e.is_action)],
+            "version": e.versions, "entropy": [h if a else None for h, a in zip(entropies, e.is_action)],
         },
         "images": [thumbnail(pixels, processor) for pixels in e.images],
     }
