@@ -140,6 +140,9 @@ def test_rest_filters_pages_and_exports_the_samples(recorded):
         for passed in (True, False):
             got = client.get(url, params={"passed": passed, "limit": 500}).json()["samples"]
             assert [r["id"] for r in got] == [r["id"] for r in rows if r["success"] == passed]
+        for errors in (True, False):  # guess_number has no tools: every episode is without tool errors
+            got = client.get(url, params={"tool_errors": errors, "limit": 500}).json()["samples"]
+            assert [r["id"] for r in got] == ([] if errors else [r["id"] for r in rows])
         word = "higher"  # the env's feedback
         got = client.get(url, params={"q": word, "limit": 500}).json()["samples"]
         assert [r["id"] for r in got] == [r["id"] for r in rows if word in r["text"]] and got
