@@ -91,6 +91,8 @@ def test_colourings_match_the_api_and_staleness_shows_mixed_versions(tmp_path_fa
             expect(page.locator("#legend")).to_have_attribute("data-coloring", coloring)
             assert action_values(page, sample["id"]) == expected(sample, coloring), coloring
             assert f"color={coloring}" in page.url
+        print(f"\nsamples: episode {sample['id']}: {len(expected(sample, 'logprob'))} action tokens, 5 colourings "
+              "equal to the API's values")
         i = sample["tokens"]["action"].index(True)
         title = article.locator(".tok.act").first.get_attribute("title")
         assert f"token id {sample['tokens']['id'][i]}" in title and f"version {sample['tokens']['version'][i]}" in title
