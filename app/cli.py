@@ -412,6 +412,9 @@ class ProgressSink:
     def checkpoint(self, step, path, **info):
         pass
 
+    def samples(self, step, kind, records):
+        pass
+
 
 if __name__ == "__main__":
     main()

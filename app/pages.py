@@ -306,6 +306,14 @@ def run_page(request: Request, run_id: int):
                   page={"run_id": run_id, "max_staleness": run["config"]["loop"]["max_staleness"]})
 
 
+@router.get("/runs/{run_id}/samples")
+@guarded
+async def samples_page(request: Request, run_id: int):
+    """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
+    run = get_run_or_404(request, run_id)
+    return render(request, "samples.html", run=run, page={"run_id": run_id})
+
+
 @router.get("/runs/{run_id}/panels/{panel}")
 @guarded
 def run_panel(request: Request, run_id: int, panel: str):

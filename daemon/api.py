@@ -13,7 +13,7 @@ from molt_engine.config import RunConfig
 
 from .db import DAEMON_HANG_S, add_event, connect, data_home, lock_holder, run_dir, set_run
 from .models import (ACTIVE, OUTCOMES, STATUSES, TERMINAL, Alert, Attempt, Checkpoint, DaemonEvent, Event, Metric,
-                     PolicyVersion, Run, now)
+                     PolicyVersion, Run, Sample, now)
 
 LIVE_METRICS = ("reward_mean", "samples_per_s", "staleness_mean", "staleness_max")
 
@@ -189,6 +189,40 @@ class Api:
     def policy_versions(self, run_id: int) -> list[dict]:
         return self._rows(run_id, select(PolicyVersion).where(PolicyVersion.run_id == run_id)
                           .order_by(PolicyVersion.version), None)
+
+    def samples(self, run_id: int, step: int | None = None, kind: str | None = None, min_reward: float | None = None,
+                passed: bool | None = None, tool_errors: bool | None = None, q: str | None = None,
+                prompt: str | None = None, limit: int = 50, cursor: int | None = None) -> list[dict]:
+        """Recorded episodes in the order they were recorded, filtered; `cursor` is the id of the last one already
+        seen. `q` matches the episode's text (case-insensitive for ASCII), `prompt` its prompt exactly."""
+        query = select(Sample).where(Sample.run_id == run_id)
+        if step is not None:
+            query = query.where(Sample.step == step)
+        if kind is not None:
+            query = query.where(Sample.kind == kind)
+        if min_reward is not None:
+            query = query.where(Sample.reward >= min_reward)
+        if passed is not None:
+            query = query.where(Sample.success == passed)
+        if tool_errors is not None:
+            query = query.where((Sample.tool_errors > 0) == tool_errors)
+        if q:
+            query = query.where(Sample.text.contains(q, autoescape=True))
+        if prompt is not None:
+            query = query.where(Sample.prompt == prompt)
+        if cursor is not None:
+            query = query.where(Sample.id > cursor)
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            return [_dict(r) for r in s.scalars(query.order_by(Sample.id).limit(limit))]
+
+    def sample_steps(self, run_id: int) -> list[dict]:
+        """The steps that have samples: {step, kind, count}, by step."""
+        query = (select(Sample.step, Sample.kind, func.count()).where(Sample.run_id == run_id)
+                 .group_by(Sample.step, Sample.kind).order_by(Sample.step, Sample.kind))
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            return [{"step": st, "kind": k, "count": n} for st, k, n in s.execute(query)]
 
     def log_path(self, run_id: int, attempt: int | None = None) -> Path | None:
         """The log (stdout + stderr) of an attempt, by number; the latest by default."""

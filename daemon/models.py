@@ -1,7 +1,7 @@
-"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts and events."""
+"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts, events and samples."""
 import time
 
-from sqlalchemy import JSON, Column, Text, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 # Named constraints, so that Alembic's batch mode on SQLite can find and drop them in later migrations.
@@ -163,3 +163,29 @@ class DaemonEvent(SQLModel, table=True):
     pid: int | None = None
     cause: str | None = None
     message: str = Field(sa_column=Column(Text, nullable=False))
+
+
+class Sample(SQLModel, table=True):
+    """A recorded episode (the engine's `record` config): a sample of a step's trained episodes (kind "train") or
+    of an eval's (kind "eval"). `tokens` holds its tokens column-wise: id, text (the piece), action, logprob
+    (behaviour), trainer_logprob, version, entropy. Unique per (run, kind, step, position): a replay overwrites."""
+    __table_args__ = (UniqueConstraint("run_id", "step", "kind", "position"), Index(None, "run_id", "prompt"))
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int = Field(foreign_key="run.id")
+    step: int
+    kind: str                              # train | eval
+    position: int                          # its place among the step's samples of that kind
+    group_id: int                          # the prompt's cursor (its training group); -1 for eval
+    seed: int
+    version: int                           # the trainer's policy version (staleness = version - a token's version)
+    reward: float | None = None
+    advantage: float | None = None         # None for eval episodes
+    success: bool
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    prompt: str = Field(sa_column=Column(Text, nullable=False))   # the text before the first action
+    text: str = Field(sa_column=Column(Text, nullable=False))     # the whole episode, for search
+    tokens: dict = Field(sa_column=Column(JSON, nullable=False))
+    images: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))  # PNG data: URLs
+    time: float = Field(default_factory=now)

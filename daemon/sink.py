@@ -7,11 +7,11 @@ import threading
 import time
 from pathlib import Path
 
-from sqlalchemy import func, update
+from sqlalchemy import delete, func, update
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.engine import Engine
 
-from .models import Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run
+from .models import Alert, Attempt, Checkpoint, Event, Metric, PolicyVersion, Run, Sample
 
 FLUSH_EVERY_S = 0.3  # "about every 0.5 s", a little under: it is the floor of live-curve latency
 HEARTBEAT_EVERY_S = 1.0
@@ -22,15 +22,17 @@ class DbSink:
     database): a record is appended to a list and to a spool file, and a writer thread commits the list every
     FLUSH_EVERY_S in one transaction. The spool is why a SIGKILL loses nothing: a write() is in the kernel as soon
     as it returns, and whoever finds the worker dead replays the spool (replay_spools) before the next attempt.
-    Every write is idempotent: metrics upsert on (run, name, step), alerts and events carry a unique uid.
+    Every write is idempotent: metrics upsert on (run, name, step), samples on (run, step, kind, position), alerts
+    and events carry a unique uid. With `keep_samples`, samples older than the newest that many steps are deleted.
 
     Heartbeats go to the attempt row, at most once a second, with the time the engine called heartbeat(), not the
     time of the write: if the event loop hangs, the written time stops moving even though this thread lives on.
     Until the engine's first heartbeat (imports, model loading, warm start) the writer thread beats instead."""
 
     def __init__(self, engine: Engine, run_id: int, attempt_id: int, spool_dir: Path | None = None,
-                 flush_every: float = FLUSH_EVERY_S):
+                 flush_every: float = FLUSH_EVERY_S, keep_samples: int | None = None):
         self.engine, self.run_id, self.attempt_id, self.flush_every = engine, run_id, attempt_id, flush_every
+        self.keep_samples = keep_samples
         self.spool_dir = Path(spool_dir) if spool_dir else None
         self._lock = threading.Lock()
         self._pending: list[dict] = []
@@ -62,6 +64,11 @@ class DbSink:
     def checkpoint(self, step: int, path: str, **info):
         self._add({"t": "checkpoint", "time": time.time(), "step": int(step), "path": str(path), "info": info})
         self._wake.set()  # the UI wants to see a checkpoint promptly; the flush costs a few ms off the event loop
+
+    def samples(self, step: int, kind: str, records: list[dict]):
+        if records:
+            self._add({"t": "samples", "time": time.time(), "step": int(step), "kind": kind, "records": records,
+                       "keep": self.keep_samples})
 
     def heartbeat(self):
         self._engine_beat = time.time()
@@ -140,8 +147,8 @@ class DbSink:
 
 def write_records(conn, run_id: int, attempt_id: int, records: list[dict], heartbeat: float | None = None):
     """Commit sink records (from memory or a spool) in the caller's transaction. Idempotent."""
-    metrics, versions, checkpoints, alerts, events, run_values = [], [], [], [], [], {}
-    first_step = None
+    metrics, versions, checkpoints, alerts, events, samples, run_values = [], [], [], [], [], [], {}
+    first_step, keep_from = None, None
     for r in records:
         kind = r["t"]
         if kind == "metrics":
@@ -169,6 +176,15 @@ def write_records(conn, run_id: int, attempt_id: int, records: list[dict], heart
             row = dict(run_id=run_id, time=r["time"], step=step if isinstance(step, int) else None, kind=r["kind"],
                        message=r["message"], data=r["data"], uid=r.get("uid"))
             (alerts if kind == "alert" else events).append(row)
+        elif kind == "samples":
+            samples += [dict(run_id=run_id, step=r["step"], kind=r["kind"], position=i, group_id=s["group"],
+                             seed=s["seed"], version=s["version"], reward=_real(s["reward"]),
+                             advantage=_real(s["advantage"]), success=s["success"], turns=s["turns"],
+                             tool_calls=s["tool_calls"], tool_errors=s["tool_errors"], prompt=s["prompt"],
+                             text=s["text"], tokens=s["tokens"], images=s["images"], time=r["time"])
+                        for i, s in enumerate(r["records"])]
+            if r["keep"]:
+                keep_from = max(keep_from or 0, r["step"] - r["keep"] + 1)
     if metrics:
         stmt = insert(Metric)
         conn.execute(stmt.on_conflict_do_update(index_elements=["run_id", "name", "step"],
@@ -188,6 +204,14 @@ def write_records(conn, run_id: int, attempt_id: int, records: list[dict], heart
         conn.execute(stmt.on_conflict_do_update(
             index_elements=["run_id", "step"],
             set_={c: getattr(stmt.excluded, c) for c in ("path", "size_bytes", "version", "time")}), checkpoints)
+    if samples:
+        stmt = insert(Sample)
+        conn.execute(stmt.on_conflict_do_update(
+            index_elements=["run_id", "step", "kind", "position"],
+            set_={c.name: getattr(stmt.excluded, c.name) for c in Sample.__table__.columns
+                  if c.name not in ("id", "run_id", "step", "kind", "position")}), samples)
+    if keep_from is not None:
+        conn.execute(delete(Sample).where(Sample.run_id == run_id, Sample.step < keep_from))
     for model, rows in ((Alert, alerts), (Event, events)):
         if rows:
             conn.execute(insert(model).on_conflict_do_nothing(index_elements=["uid"]), rows)

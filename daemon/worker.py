@@ -47,7 +47,8 @@ def main(argv=None) -> int:
         s.commit()
     print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}", flush=True)
 
-    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory)  # first: it beats while torch imports
+    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory,  # first: it beats while torch imports
+                  keep_samples=config.get("record", {}).get("keep_steps"))
     rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
     summary, values, code = None, {}, 0
     try:

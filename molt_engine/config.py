@@ -109,6 +109,16 @@ class AlertsConfig(_Strict):
     mismatch_kl: float = Field(0.05, gt=0, description="alert when the behaviour-vs-recomputed KL exceeds this")
 
 
+class RecordConfig(_Strict):
+    """The samples recorded for the Samples view: episodes with their per-token numbers."""
+    samples_per_step: int = Field(2, ge=0, description="groups of each trained batch recorded as samples (those "
+                                  "with a learning signal first); 0 = none")
+    eval_samples: int = Field(4, ge=0, description="episodes of each eval recorded (the first held-out prompts, "
+                              "the same at every eval); 0 = none")
+    keep_steps: int | None = Field(None, gt=0, description="keep only the samples of the newest this many steps; "
+                                   "None = all")
+
+
 class DrillsConfig(_Strict):
     """Injected faults, so that users and tests can prove the alarms and the supervisor work."""
     spike_at: list[int] = Field(default_factory=list, description="steps whose gradient gets a spike of spike_norm")
@@ -132,6 +142,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    record: RecordConfig = Field(default_factory=RecordConfig)
     drills: DrillsConfig = Field(default_factory=DrillsConfig)
 
     @field_validator("env")

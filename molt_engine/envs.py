@@ -24,7 +24,7 @@ class Result:
     observation: str = ""  # feedback appended to the context as non-trained tokens ("" = none)
     terminated: bool = False
     truncated: bool = False
-    info: dict = field(default_factory=dict)  # e.g. {"tool_call": True}: counted in tool_call_rate
+    info: dict = field(default_factory=dict)  # {"tool_call": True}: counted in tool_call_rate; also "tool_error"
     images: list = field(default_factory=list)  # as Observation.images, for the feedback text
 
 
@@ -219,7 +219,7 @@ class Calculator(Env):
             await asyncio.sleep(latency_ms / 1000)
         call = _TOOL_CALL.fullmatch(action)
         if call is None:
-            return Result(reward=0.0, observation="err\n", info={"tool_call": True})
+            return Result(reward=0.0, observation="err\n", info={"tool_call": True, "tool_error": True})
         a, op, b = call.groups()
         return Result(reward=0.0, observation=f"={_OPS[op](int(a), int(b))}\n", info={"tool_call": True})
 

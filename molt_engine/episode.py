@@ -8,8 +8,9 @@ import torch.nn.functional as F
 @dataclass
 class Episode:
     """Per token: the id, whether the policy generated it (trained) or not (prompt, env feedback), the behaviour
-    log-prob recorded at sampling time (0 for non-actions), the policy version that produced it (-1 otherwise) and, for
-    MoE policies, the experts ([layer][k] ids) that computed its logits at sampling time ([] otherwise)."""
+    log-prob recorded at sampling time (0 for non-actions), the policy version that produced it (-1 otherwise), the
+    entropy of the distribution it was sampled from (0 for non-actions) and, for MoE policies, the experts
+    ([layer][k] ids) that computed its logits at sampling time ([] otherwise)."""
     seed: int
     group: int
     token_ids: list[int] = field(default_factory=list)
@@ -17,16 +18,18 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     experts: list = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
     reward: float = 0.0
     images: list = field(default_factory=list)  # pixel values [C, H, W], one per image, in order of their tokens
-    info: dict = field(default_factory=dict)  # turns, tool_calls, success, truncated
+    info: dict = field(default_factory=dict)  # turns, tool_calls, tool_errors, success, truncated
 
-    def extend(self, ids, *, action=False, logprobs=None, versions=None, experts=None):
+    def extend(self, ids, *, action=False, logprobs=None, versions=None, experts=None, entropies=None):
         self.token_ids += ids
         self.is_action += [action] * len(ids)
         self.logprobs += logprobs if action else [0.0] * len(ids)
         self.versions += versions if action else [-1] * len(ids)
         self.experts += experts if action and experts else [[]] * len(ids)
+        self.entropies += entropies if action and entropies else [0.0] * len(ids)
 
     @property
     def n_actions(self) -> int:
@@ -72,6 +75,16 @@ def collate(episodes: list[Episode], pad_id: int) -> dict:
     if images:
         batch["pixel_values"] = torch.stack(images)
     return batch
+
+
+def uncollated(values: torch.Tensor, rows, episodes: list[Episode], prompt_width: int) -> list[list[float | None]]:
+    """Per-target values of a collated batch ([B, T-1], e.g. log-probs) back on the tokens of the episodes in `rows`:
+    one value per token, None for the first (no logits predict it)."""
+    out = []
+    for row, e in zip(rows, episodes):
+        start = prompt_width - (e.is_action.index(True) if any(e.is_action) else len(e.token_ids))
+        out.append([None] + values[row, start:start + len(e.token_ids) - 1].tolist())
+    return out
 
 
 def token_logprobs(model, batch, temperature: float):

@@ -23,6 +23,7 @@ from .episode import Episode
 from .models import load_policy, routers
 from .rollout import EnvError, Rollout
 from .sampler import Sampler
+from .samples import record, training_samples
 from .update import batch_metrics, train_step
 
 EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
@@ -34,6 +35,7 @@ class Sink(Protocol):
     def alert(self, kind: str, message: str, **data) -> None: ...
     def event(self, kind: str, message: str, **data) -> None: ...
     def checkpoint(self, step: int, path: str, **info) -> None: ...
+    def samples(self, step: int, kind: str, records: list[dict]) -> None: ...  # optional; kind "train" or "eval"
     def heartbeat(self) -> None: ...  # optional; about every second while the event loop is alive
 
 
@@ -42,6 +44,7 @@ class NullSink:
     def alert(self, kind, message, **data): pass
     def event(self, kind, message, **data): pass
     def checkpoint(self, step, path, **info): pass
+    def samples(self, step, kind, records): pass
     def heartbeat(self): pass
 
 
@@ -230,7 +233,7 @@ class Training:
             if batch is None:  # stop requested while waiting for rollouts
                 break
             groups, waited = batch
-            metrics, weights = await asyncio.to_thread(self.update, groups)
+            metrics, weights, samples = await asyncio.to_thread(self.update, groups)
             self.step += 1
             if weights is None:
                 weights = await self.on_trip(step, groups, metrics)
@@ -242,6 +245,8 @@ class Training:
             for kind, message, data in self.alerts.check(step, metrics, sum(len(g) for g in groups)):
                 self.sink.alert(kind, message, **data)
             self.sink.metrics(step, metrics)  # before the checkpoint: a checkpoint never gets ahead of the records
+            if samples and hasattr(self.sink, "samples"):
+                self.sink.samples(step, "train", samples)
             self.summary.update(metrics, step=self.step, version=version)
             every = self.cfg.checkpoint.every
             if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
@@ -260,12 +265,15 @@ class Training:
             raise _Finished
         await self.finish()
 
-    def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None]:
-        """The update and the batch's metrics (in a worker thread). Returns them and the weights to publish."""
-        metrics, weights = train_step(self.model, self.optimizer, groups, self.cfg, step=self.step,
-                                      breaker=self.breaker, published=self.published, reference=self.reference,
-                                      pad_id=self.pad_id)
-        return {**batch_metrics(groups, self.version), **metrics}, weights
+    def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
+        """The update and the batch's metrics (in a worker thread). Returns them, the weights to publish and the
+        records of the batch's samples (record.samples_per_step groups)."""
+        metrics, weights, adv, trainer_logprobs = train_step(
+            self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
+            published=self.published, reference=self.reference, pad_id=self.pad_id)
+        samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
+                                   self.version)
+        return {**batch_metrics(groups, self.version), **metrics}, weights, samples
 
     async def next_batch(self) -> tuple[list[list[Episode]], float] | None:
         """Take groups_per_step groups, dropping (and counting) those that are too stale or carry no signal.
@@ -346,6 +354,9 @@ class Training:
                       "eval_pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
                       "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes)}
             self.sink.metrics(step, values)
+            if hasattr(self.sink, "samples"):
+                self.sink.samples(step, "eval", [record(e, self.processor, self.version)
+                                                 for e in episodes[:self.cfg.record.eval_samples]])
             self.summary.update(values)
             if self.best is None or values["eval_reward"] > self.best[0]:
                 self.best = (values["eval_reward"], step)

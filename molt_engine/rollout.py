@@ -35,14 +35,15 @@ class Rollout:
         obs = await _env_call(env.reset(seed))
         ep = Episode(seed=seed, group=group)
         self.observe(ep, obs.text, obs.images)
-        info = {"turns": 0, "tool_calls": 0, "truncated": True, "entropy": 0.0}
+        info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "truncated": True, "entropy": 0.0}
         for turn in range(env.max_turns):
             if len(ep.token_ids) + env.max_tokens > self.context_limit:
                 break
             req = await sampler.generate(ep.token_ids, env.max_tokens, images=ep.images, greedy=greedy,
                                          seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
-            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts)
-            info["entropy"] += req.entropy
+            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts,
+                      entropies=req.entropies)
+            info["entropy"] += sum(req.entropies)
             text = self.tokenizer.decode(req.ids[:-1] if req.ids[-1] == self.eos_id else req.ids)
             if drill and drill.random() < self.cfg.drills.env_error_rate:
                 raise EnvError("drill: injected env error (drills.env_error_rate)")
@@ -50,6 +51,7 @@ class Rollout:
             ep.reward += result.reward
             info["turns"] += 1
             info["tool_calls"] += bool(result.info.get("tool_call"))
+            info["tool_errors"] += bool(result.info.get("tool_error"))
             if result.terminated or result.truncated:
                 info["truncated"] = result.truncated
                 break

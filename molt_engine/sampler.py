@@ -24,7 +24,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     experts: list = field(default_factory=list)  # MoE: per token, the [layer][k] experts that computed its logits
-    entropy: float = 0.0          # summed over the generated tokens: the behaviour policy's entropy
+    entropies: list[float] = field(default_factory=list)  # per generated token: the behaviour policy's entropy
     row: int = -1                 # its row of the sampler's KV cache, shared by requests whose tokens are all equal
 
 
@@ -127,7 +127,7 @@ class Sampler:
             req.ids.append(token)
             req.logprobs.append(lp)
             req.versions.append(self.version)
-            req.entropy += h
+            req.entropies.append(h)
             if routes:
                 req.experts.append(routes[req.row])
         self.stats["tokens"] += len(reqs)

@@ -7,18 +7,19 @@ import torch.nn.functional as F
 
 from . import drills
 from .algo import GROUP_ESTIMATORS, advantages, policy_loss
-from .episode import Episode, collate, token_logprobs
+from .episode import Episode, collate, token_logprobs, uncollated
 from .models import routers, routing_stats
 
 
 def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, breaker, published: dict,
-               reference=None, pad_id: int) -> tuple[dict, dict | None]:
+               reference=None, pad_id: int) -> tuple[dict, dict | None, list[float], dict[int, list]]:
     """Update `model` on a batch (runs in a worker thread): `algo.epochs` passes over the batch, each split into
     `algo.minibatches` optimizer steps. The clip measures each step against the proximal policy, the weights at the
     start of this trainer step (`published`, as in decoupled PPO), and the IS weights correct from the behaviour
     policy to it. Returns the update's metrics and the weights to publish; None when the breaker refused a step:
     then `model` holds `published` again. Metrics average over the optimizer steps; `grad_norm` is their largest,
-    the one the breaker judged."""
+    the one the breaker judged. Also returns each episode's advantage and, for the episodes in the forward (by batch
+    index), their tokens' log-probs under the proximal policy: what the samples record as the trainer's."""
     algo, episodes = cfg.algo, [e for g in groups for e in g]
     if algo.estimator in GROUP_ESTIMATORS:
         adv = torch.cat([advantages(torch.tensor([[e.reward for e in g]]), algo.estimator)[0] for g in groups])
@@ -76,7 +77,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
                    trained_fraction=sum(p.trained for p in parts) / len(episodes))
     if math.isfinite(threshold):
         metrics["breaker_threshold"] = threshold
-    return metrics, weights
+    trainer_logprobs = {i: row for p in parts for i, row in zip(p.keep, uncollated(
+        p.prox, range(len(p.keep)), [episodes[i] for i in p.keep], p.batch["prompt_width"]))}
+    return metrics, weights, adv.tolist(), trainer_logprobs
 
 
 class _Minibatch:
@@ -87,6 +90,7 @@ class _Minibatch:
 
     def __init__(self, episodes: list[Episode], adv: torch.Tensor, span: range, kl_coef: float, pad_id: int):
         keep = [i for i in span if adv[i] != 0 or kl_coef > 0] or list(span)
+        self.keep = keep
         self.batch = collate([episodes[i] for i in keep], pad_id)
         self.adv = adv[keep]
         self.action_tokens = sum(episodes[i].n_actions for i in span)

@@ -46,9 +46,29 @@ def step_once(cfg, breaker=None, groups=slice(None)):
     groups = sampled_groups(model, tok)[groups]
     start = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.algo.lr)
-    metrics, weights = train_step(model, optimizer, groups, cfg, step=0, breaker=breaker or Breaker(cfg.breaker),
-                                  published=start, pad_id=tok.pad_token_id)
+    metrics, weights, _, _ = train_step(model, optimizer, groups, cfg, step=0,
+                                        breaker=breaker or Breaker(cfg.breaker), published=start,
+                                        pad_id=tok.pad_token_id)
     return metrics, weights, model, start
+
+
+def test_the_trainer_logprobs_it_returns_are_the_behaviour_logprobs_of_the_same_weights():
+    """What the samples record as the trainer's log-prob: with the sampler's own weights, each action token's
+    recomputed log-prob equals the one recorded at sampling time, in every minibatch."""
+    cfg, tok = make_cfg(minibatches=2), char_tokenizer()
+    model, _ = load_policy(cfg.model, seed=0)
+    groups = sampled_groups(model, tok)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.algo.lr)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    _, _, adv, trainer = train_step(model, optimizer, groups, cfg, step=0, breaker=Breaker(cfg.breaker),
+                                    published=start, pad_id=tok.pad_token_id)
+    episodes = [e for g in groups for e in g]
+    assert len(adv) == len(episodes) and trainer and set(trainer) <= set(range(len(episodes)))
+    for i, logprobs in trainer.items():
+        e = episodes[i]
+        assert len(logprobs) == len(e.token_ids)
+        actions = [(mine, behaviour) for mine, behaviour, a in zip(logprobs, e.logprobs, e.is_action) if a]
+        assert actions and all(abs(mine - behaviour) < 1e-5 for mine, behaviour in actions)
 
 
 def differ(a: dict, b: dict) -> float:

@@ -1,7 +1,7 @@
 """The daemon's own timeline (daemon_event): its starts, clean stops, and deaths with their cause.
 
 Revision ID: 0004_daemon
-Revises: 0002_metric_buckets
+Revises: 0003_samples
 Create Date: 2026-11-30 23:30:00
 """
 from typing import Sequence, Union
@@ -12,7 +12,7 @@ import sqlmodel
 
 
 revision: str = '0004_daemon'
-down_revision: Union[str, Sequence[str], None] = '0002'
+down_revision: Union[str, Sequence[str], None] = '0003_samples'
 branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 

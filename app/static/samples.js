@@ -1,0 +1,226 @@
+"use strict";
+// The Samples view: recorded episodes (GET /api/v1/runs/{id}/samples) as chat turns, action tokens painted by a
+// colouring. Model and env text only ever goes in as textContent, never parsed as HTML: a policy that writes
+// <script> or an onerror attribute shows those characters, and nothing runs.
+const MoltSamples = (() => {
+  const FILTERS = ["step", "kind", "min_reward", "passed", "tool_errors", "q"];
+  const PAGE = 50;
+  // Per colouring: an action token's value, and its colour given the range of the values on the page.
+  const COLORINGS = {
+    logprob: {label: "behaviour probability", value: (ep, i) => ep.tokens.logprob[i],
+              scale: () => ({lo: 0, hi: 1, color: (v) => sequential(Math.exp(v), true), labels: ["p=0", "p=1"]})},
+    entropy: {label: "entropy (nats)", value: (ep, i) => ep.tokens.entropy[i], scale: (values) => upTo(values)},
+    advantage: {label: "advantage", value: (ep) => ep.advantage, scale: (values) => symmetric(values)},
+    staleness: {label: "staleness (trainer version − token version)",
+                value: (ep, i) => ep.version - ep.tokens.version[i], scale: (values) => upTo(values)},
+    mismatch: {label: "mismatch (behaviour − trainer log-prob)", scale: (values) => symmetric(values),
+               value: (ep, i) => (ep.tokens.trainer_logprob[i] == null ? null
+                                  : ep.tokens.logprob[i] - ep.tokens.trainer_logprob[i])},
+  };
+
+  // t in [0, 1]: red to green when `highIsGood`, green to red otherwise.
+  function sequential(t, highIsGood) {
+    const x = Math.min(1, Math.max(0, t));
+    return `hsl(${Math.round(120 * (highIsGood ? x : 1 - x))}, 75%, 75%)`;
+  }
+
+  function upTo(values) {
+    const hi = Math.max(1e-9, ...values);
+    return {lo: 0, hi, color: (v) => sequential(v / hi, false), labels: ["0", fmt(hi)]};
+  }
+
+  // Blue below zero, red above, white at zero.
+  function symmetric(values) {
+    const m = Math.max(1e-9, ...values.map(Math.abs));
+    return {lo: -m, hi: m, labels: [fmt(-m), fmt(m)],
+            color: (v) => (v < 0 ? `rgba(37, 99, 235, ${Math.min(1, -v / m)})` : `rgba(220, 38, 38, ${Math.min(1, v / m)})`)};
+  }
+
+  const fmt = (v) => (v == null ? "—" : Number.isInteger(v) ? String(v) : Number(v).toPrecision(4));
+
+  function el(tag, props = {}, ...children) {
+    const node = Object.assign(document.createElement(tag), props);
+    node.append(...children);  // strings become text nodes
+    return node;
+  }
+
+  function start(page) {
+    const form = document.getElementById("sample-filters");
+    const list = document.getElementById("samples");
+    const more = document.getElementById("samples-more");
+    const error = document.getElementById("samples-error");
+    const promptBar = document.getElementById("prompt-filter");
+    const base = `/api/v1/runs/${page.run_id}`;
+    const params = new URLSearchParams(location.search);
+    let prompt = params.get("prompt");
+    let episodes = [], painted = [], cursor = null;
+
+    for (const name of [...FILTERS, "color"]) {
+      if (params.has(name)) form.elements[name].value = params.get(name);
+    }
+
+    function query() {
+      const q = new URLSearchParams();
+      for (const name of FILTERS) {
+        const value = form.elements[name].value.trim();
+        if (value !== "") q.set(name, value);
+      }
+      if (prompt != null) q.set("prompt", prompt);
+      return q;
+    }
+
+    function remember() {  // every view has an address
+      const q = query();
+      if (form.elements.color.value !== "none") q.set("color", form.elements.color.value);
+      history.replaceState(null, "", location.pathname + (q.toString() ? "?" + q : ""));
+      document.getElementById("samples-jsonl").href = `${base}/samples.jsonl?${query()}`;
+      promptBar.hidden = prompt == null;
+      promptBar.querySelector("code").textContent = prompt ?? "";
+    }
+
+    async function load(reset) {
+      if (reset) { episodes = []; cursor = null; }
+      delete list.dataset.loaded;
+      const q = query();
+      q.set("limit", PAGE);
+      if (cursor != null) q.set("cursor", cursor);
+      const response = await fetch(`${base}/samples?${q}`);
+      const body = await response.json();
+      if (!response.ok) {
+        const detail = body.detail;
+        error.textContent = Array.isArray(detail) ? detail.map((d) => `${d.loc.at(-1)}: ${d.msg}`).join("; ") : String(detail);
+        error.hidden = false;
+        return;
+      }
+      error.hidden = true;
+      episodes = episodes.concat(body.samples);
+      cursor = body.next_cursor;
+      more.hidden = cursor == null;
+      render();
+      list.dataset.loaded = String(episodes.length);  // for tests: the page shows what the API returned
+    }
+
+    function render() {
+      painted = [];
+      list.replaceChildren();
+      list.classList.toggle("by-step", prompt != null);
+      if (!episodes.length) {
+        list.append(el("p", {className: "empty"}, "No samples match."));
+      } else if (prompt != null) {  // one prompt across steps: a column per step
+        const columns = new Map();
+        for (const ep of episodes) {
+          if (!columns.has(ep.step)) {
+            const column = el("div", {className: "step-column"}, el("h2", {}, `step ${ep.step}`));
+            column.dataset.step = ep.step;
+            columns.set(ep.step, column);
+            list.append(column);
+          }
+          columns.get(ep.step).append(episode(ep));
+        }
+      } else {
+        list.append(...episodes.map(episode));
+      }
+      paint();
+    }
+
+    function episode(ep) {
+      const article = el("article", {className: `episode ${ep.success ? "pass" : "fail"}`});
+      Object.assign(article.dataset, {id: ep.id, step: ep.step, kind: ep.kind});
+      const same = el("button", {type: "button", className: "small"}, "this prompt at every step");
+      same.addEventListener("click", () => {
+        prompt = ep.prompt;
+        form.elements.step.value = "";
+        remember();
+        load(true);
+      });
+      const facts = [`#${ep.id}`, ep.kind === "train" ? `group ${ep.group_id}` : "held-out prompt",
+                     `reward ${fmt(ep.reward)}`, `advantage ${fmt(ep.advantage)}`, ep.success ? "pass" : "fail",
+                     `turns ${ep.turns}`, `tool calls ${ep.tool_calls}`, `tool errors ${ep.tool_errors}`,
+                     `trainer version ${ep.version}`];
+      article.append(el("header", {}, el("b", {}, `${ep.kind} · step ${ep.step}`),
+                        ...facts.map((fact) => el("span", {}, fact)), same));
+      if (ep.images.length) {
+        const thumbs = el("div", {className: "thumbs"});
+        for (const src of ep.images) {
+          if (src.startsWith("data:image/png;base64,")) thumbs.append(el("img", {src, alt: "episode image"}));
+        }
+        article.append(thumbs);
+      }
+      // Chat turns: runs of action tokens are the assistant's; the first other run is the prompt, later ones the
+      // env's answers (a tool's when the episode called tools).
+      const t = ep.tokens;
+      let turn = null;
+      for (let i = 0; i < t.id.length; i++) {
+        if (turn == null || t.action[i] !== t.action[i - 1]) {
+          const role = t.action[i] ? "assistant" : i === 0 ? "user" : ep.tool_calls ? "tool" : "user";
+          turn = el("div", {className: "body"});
+          article.append(el("div", {className: `turn ${role}`}, el("span", {className: "role"}, role), turn));
+        }
+        const span = el("span", {className: t.action[i] ? "tok act" : "tok"}, t.text[i]);
+        span.title = tooltip(ep, i);
+        if (t.action[i]) painted.push({span, ep, i});
+        turn.append(span);
+      }
+      return article;
+    }
+
+    function tooltip(ep, i) {
+      const t = ep.tokens;
+      const lines = [`token id ${t.id[i]}  ${JSON.stringify(t.text[i])}`];
+      if (t.action[i]) {
+        lines.push(`log-prob ${fmt(t.logprob[i])}  trainer ${fmt(t.trainer_logprob[i])}`,
+                   `version ${t.version[i]}  staleness ${ep.version - t.version[i]}`,
+                   `entropy ${fmt(t.entropy[i])}  advantage ${fmt(ep.advantage)}`,
+                   `mismatch ${fmt(COLORINGS.mismatch.value(ep, i))}`);
+      }
+      return lines.join("\n");
+    }
+
+    function paint() {
+      const name = form.elements.color.value;
+      const coloring = COLORINGS[name];
+      const legend = document.getElementById("legend");
+      legend.hidden = !coloring;
+      if (!coloring) {
+        for (const {span} of painted) { span.style.background = ""; delete span.dataset.value; }
+        return;
+      }
+      const values = painted.map(({ep, i}) => coloring.value(ep, i));
+      const scale = coloring.scale(values.filter((v) => v != null));
+      painted.forEach(({span}, k) => {
+        const v = values[k];
+        span.dataset.value = v == null ? "" : String(v);
+        span.style.background = v == null ? "" : scale.color(v);
+      });
+      legend.querySelector(".name").textContent = coloring.label;
+      legend.querySelector(".lo").textContent = scale.labels[0];
+      legend.querySelector(".hi").textContent = scale.labels[1];
+      const stops = [0, 0.25, 0.5, 0.75, 1].map((f) => scale.color(name === "logprob" ? Math.log(Math.max(f, 1e-9))
+                                                                   : scale.lo + f * (scale.hi - scale.lo)));
+      legend.querySelector(".bar").style.background = `linear-gradient(to right, ${stops.join(", ")})`;
+      legend.dataset.coloring = name;
+    }
+
+    async function loadSteps() {
+      const response = await fetch(`${base}/samples/steps`);
+      if (!response.ok) return;
+      const select = form.elements.step, wanted = params.get("step");
+      for (const step of [...new Set((await response.json()).map((s) => s.step))]) {
+        select.append(el("option", {value: String(step)}, String(step)));
+      }
+      if (wanted != null) select.value = wanted;
+    }
+
+    form.addEventListener("change", (event) => {
+      remember();
+      if (event.target.name === "color") paint();
+      else load(true);
+    });
+    promptBar.querySelector("button").addEventListener("click", () => { prompt = null; remember(); load(true); });
+    more.addEventListener("click", () => load(false));
+    remember();
+    loadSteps().then(() => load(true));
+  }
+
+  return {start};
+})();
