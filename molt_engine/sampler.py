@@ -19,7 +19,6 @@ class Request:
     generator: torch.Generator    # per request, so an episode's samples don't depend on who shares its batch
     images: list = field(default_factory=list)  # pixel values of the context's images, in order (VLMs only)
     future: asyncio.Future | None = None
-    noise: torch.Tensor | None = None  # [max_tokens, vocab] uniforms drawn once from the generator
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -111,17 +110,18 @@ class Sampler:
     def _sample(self, reqs: list[Request], logits: torch.Tensor, routes: list | None):
         """Gumbel-max over the whole batch at once: argmax(logp + Gumbel noise) is a sample of softmax(logp), and
         each request's noise comes from its own generator, so a sample never depends on the rest of the batch, nor on
-        which requests share its cache row (`logits` and `routes` are per row)."""
+        which requests share its cache row (`logits` and `routes` are per row). Noise is drawn per decode step for
+        the requests sampling in it, so memory holds [requests, vocab] at most, whatever max_tokens is."""
         logp = torch.log_softmax(without_placeholder(logits.float() / self.temperature, self.model.config), dim=-1)
         entropy = torch.special.entr(logp.exp()).sum(-1)
         rows = torch.tensor([req.row for req in reqs])
         logp, entropy = logp[rows], entropy[rows]
-        for req in reqs:
-            if req.noise is None:
-                req.noise = torch.rand((req.max_tokens, logp.shape[-1]), generator=req.generator)
-        uniform = torch.stack([req.noise[len(req.ids)] for req in reqs]).clamp(1e-20, 1.0)
-        greedy = torch.tensor([req.greedy for req in reqs])
-        tokens = torch.where(greedy, logp.argmax(-1), (logp - torch.log(-torch.log(uniform))).argmax(-1))
+        gumbel = torch.zeros_like(logp)  # greedy requests take the argmax of logp itself
+        for i, req in enumerate(reqs):
+            if not req.greedy:
+                uniform = torch.rand(logp.shape[-1], generator=req.generator).clamp(1e-20, 1.0)
+                gumbel[i] = -torch.log(-torch.log(uniform))
+        tokens = (logp + gumbel).argmax(-1)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
         for req, token, lp, h in zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist()):
             req.ids.append(token)

@@ -1,5 +1,5 @@
-"""One trainer step on a batch of groups (advantages, loss, the breaker's verdict, the optimizer step) and the batch's
-episode metrics."""
+"""One trainer step on a batch of groups (advantages, minibatched PPO/GSPO optimizer steps against the proximal policy,
+the breaker's verdict) and the batch's episode metrics."""
 import math
 
 import torch

@@ -1,6 +1,7 @@
 """Tests for molt_engine.envs: built-in envs, demonstrations, tool latency and the env registry."""
 import asyncio
 import re
+import subprocess
 import sys
 
 import numpy as np
@@ -279,3 +280,19 @@ def test_shapes_multi_turn_feedback_brings_a_new_image():
         assert results[0].observation.startswith("no\n") and sum(r.reward for r in results) == 0.5
     with pytest.raises(ValueError):
         make_env("shapes", {"turns": 0})
+
+
+def test_validating_a_config_and_listing_envs_import_no_torch():
+    """The web process validates configs and lists envs and presets: none of that may load torch or transformers."""
+    code = ("import sys\n"
+            "from molt_engine import ENVS, RunConfig, config_errors\n"
+            "from molt_engine.config import PRESETS\n"
+            "RunConfig.model_validate({'env': 'calculator', 'model': {'preset': 'tiny-moe'}})\n"
+            "assert sorted(ENVS) and PRESETS\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    from molt_engine.config import PRESETS
+    from molt_engine.models import PRESETS as BUILT
+    assert PRESETS == tuple(BUILT)  # the names the config accepts are the presets models builds
+

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import molt_engine.loop as loop_mod
 import molt_engine.update as update_mod
-from molt_engine import Env, Observation, Result, train
+from molt_engine import Env, Observation, Result, register, train
 from molt_engine.envs import ENVS, Shapes
 from molt_engine.episode import Episode, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
@@ -45,6 +45,15 @@ def capture(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def registered():
+    """Register test envs for one test: they leave the registry when it ends."""
+    names = []
+    yield lambda cls: names.append(register(cls).name)
+    for name in names:
+        del ENVS[name]
+
+
 class Echo(Env):
     """Two turns; the feedback repeats the action as text, which a merging tokenizer encodes differently."""
     name = "test_echo"
@@ -77,8 +86,8 @@ def merging_model_dir(tmp_path):
     return fast
 
 
-def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture):
-    ENVS.setdefault("test_echo", Echo)
+def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture, registered):
+    registered(Echo)
     tokenizer = merging_model_dir(tmp_path)
     train({"env": "test_echo", "model": {"preset": None, "path": str(tmp_path)}, "loop": {**SMALL, "steps": 3},
            "warm_start": {"steps": 0}})
@@ -207,8 +216,8 @@ class Gated(Env):
         return ["7"]
 
 
-def test_bounded_staleness_drops_and_counts(capture, monkeypatch):
-    ENVS.setdefault("test_gated", Gated)
+def test_bounded_staleness_drops_and_counts(capture, monkeypatch, registered):
+    registered(Gated)
     k = 1
     real_update = loop_mod.Training.update
 

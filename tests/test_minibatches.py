@@ -1,7 +1,7 @@
 """train_step: minibatches and epochs against the proximal policy (decoupled PPO), GSPO, and a refused step."""
-import copy
-
+import pytest
 import torch
+from pydantic import ValidationError
 
 from molt_engine import RunConfig, train
 from molt_engine.breaker import Breaker
@@ -125,3 +125,8 @@ def test_minibatched_run_clips_and_publishes_one_version_per_step():
     assert summary["status"] == "completed"
     assert [steps[s]["version"] for s in range(6)] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert max(v["clip_ratio"] for v in steps.values()) > 0
+
+
+def test_more_minibatches_than_groups_is_refused_naming_both_fields():
+    with pytest.raises(ValidationError, match=r"algo.minibatches \(3\) must not exceed loop.groups_per_step \(2\)"):
+        RunConfig.model_validate({"env": "max_digit", "loop": {"groups_per_step": 2}, "algo": {"minibatches": 3}})
