@@ -65,11 +65,11 @@ class Api:
                   total_steps=cfg.loop.steps, max_restarts=request.max_restarts)
         with Session(self.engine) as s:
             s.add(run)
-            s.commit()
-            s.refresh(run)
+            s.flush()  # the id, for the event; one commit then makes both visible to the daemon together
             add_event(s, run.id, "queued", f"run queued: {run.name}")
+            queued = self._run_dict(s, run)  # as queued: once committed, the daemon may start it at any moment
             s.commit()
-            return self._run_dict(s, run)
+            return queued
 
     def list_runs(self, status: str | list[str] | None = None, tag: str | None = None,
                   limit: int | None = None, before: int | None = None) -> list[dict]:
@@ -181,7 +181,8 @@ class Api:
         return self._rows(run_id, select(Attempt).where(Attempt.run_id == run_id), Attempt)
 
     def checkpoints(self, run_id: int) -> list[dict]:
-        """Every checkpoint recorded, with `exists` (the engine prunes all but the newest few and the best)."""
+        """Every checkpoint recorded, with `exists` (the engine keeps the newest `checkpoint.keep`; the best policy is
+        in the run's best/ directory)."""
         rows = self._rows(run_id, select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step),
                           None)
         return [{**r, "exists": Path(r["path"]).exists()} for r in rows]

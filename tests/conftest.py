@@ -1,5 +1,26 @@
-"""Shared test helpers: wait_until (poll a condition with a deadline, never sleep-then-assert)."""
+"""Shared test helpers: wait_until (poll a condition with a deadline, never sleep-then-assert), and Debian's Chromium
+for the Playwright tests (the README's test command installs it; without it those tests fail, they never skip)."""
 import time
+from pathlib import Path
+
+import pytest
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"   # the UI tests' screenshots
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args):
+    # pytest-playwright cannot find the system browser by itself, and its own download host is unreachable
+    return {**browser_type_launch_args, "executable_path": "/usr/bin/chromium", "args": CHROMIUM_ARGS}
+
+
+def screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, message: str = ""):

@@ -3,44 +3,19 @@ training): log in, launch from the form, live charts, reconnect, completion; a b
 within a second, acknowledged, and posted to a webhook. Screenshots go to test-artifacts/."""
 import os
 import re
-import shutil
 import signal
-from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
-pytest.importorskip("playwright")
-pytest.importorskip("pytest_playwright")
-if not shutil.which("chromium") and not Path("/usr/bin/chromium").exists():
-    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
-
-from playwright.sync_api import expect  # noqa: E402
-
-from app_support import ROOT, TRIPS, hook, serve  # noqa: E402,F401 (hook is a fixture)
-from conftest import wait_until  # noqa: E402
-
-ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-@pytest.fixture(scope="session")
-def browser_type_launch_args(browser_type_launch_args):
-    # pytest-playwright cannot find the system browser by itself, and its own download host is unreachable
-    return {**browser_type_launch_args, "executable_path": "/usr/bin/chromium", "args": CHROMIUM_ARGS}
+from app_support import TRIPS, hook, serve  # noqa: F401 (hook is a fixture)
+from conftest import screenshot, wait_until
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, hook):
     with serve(tmp_path_factory.mktemp("home"), "--webhook-url", hook.url) as s:
         yield s
-
-
-def screenshot(page, name: str) -> Path:
-    ARTIFACTS.mkdir(exist_ok=True)
-    path = ARTIFACTS / name
-    page.screenshot(path=str(path), full_page=True)
-    return path
 
 
 def test_login_launch_from_the_form_and_watch_the_run_live_until_completed(served, page, browser):

@@ -3,39 +3,23 @@ every colouring's per-token values match the REST payload, the staleness colouri
 tokens carry several versions, filters and one prompt across steps work. A policy taught to write <script> and an
 onerror attribute: its text shows as characters, no dialog opens, no script runs. Screenshots go to test-artifacts/."""
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from playwright.sync_api import expect
 
-pytest.importorskip("playwright")
-pytest.importorskip("pytest_playwright")
-if not shutil.which("chromium") and not Path("/usr/bin/chromium").exists():
-    pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)", allow_module_level=True)
+from app_support import serve, web_thread
+from conftest import screenshot
+from daemon.api import Api
+from daemon.db import set_run
+from daemon.sink import DbSink
+from molt_engine import Env, Observation, Result, train
+from molt_engine.envs import ENVS, register
 
-from playwright.sync_api import expect  # noqa: E402
-
-from app_support import ROOT, serve, web_thread  # noqa: E402
-from daemon.api import Api  # noqa: E402
-from daemon.db import set_run  # noqa: E402
-from daemon.sink import DbSink  # noqa: E402
-from molt_engine import Env, Observation, Result, train  # noqa: E402
-from molt_engine.envs import ENVS, register  # noqa: E402
-
-ARTIFACTS = ROOT / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 STALE = {"env": "guess_number", "warm_start": {"steps": 10}, "checkpoint": {"every": 0},
          "loop": {"steps": 12, "groups_per_step": 3, "group_size": 3, "max_staleness": 2, "eval_every": 6,
                   "eval_episodes": 4}}
 PAYLOAD = "<script>window.__ran=1;alert(1)</script><img src=x onerror=alert(2)>"
-
-
-@pytest.fixture(scope="session")
-def browser_type_launch_args(browser_type_launch_args):
-    # pytest-playwright cannot find the system browser by itself, and its own download host is unreachable
-    return {**browser_type_launch_args, "executable_path": "/usr/bin/chromium", "args": CHROMIUM_ARGS}
 
 
 def action_values(page, sample_id: int) -> list[float | None]:
@@ -111,8 +95,7 @@ def test_colourings_match_the_api_and_staleness_shows_mixed_versions(tmp_path_fa
             "s => s.map(e => e.style.backgroundColor)")
         assert len(set(colours)) >= 2
         print(f"samples: episode {shown['id']} (step {shown['step']}): action-token staleness {sorted(set(staleness))}")
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "samples-staleness.png"), full_page=True)
+        screenshot(page, "samples-staleness.png")
 
         # filters: failed episodes only, then a search
         page.goto(f"{served.base}/runs/{run['id']}/samples")
@@ -190,5 +173,4 @@ def test_model_text_that_is_html_shows_as_text_and_nothing_runs(tmp_path, page, 
         assert page.locator("#samples script, #samples .turn img, #samples .turn b").count() == 0
         assert page.evaluate("window.__ran") is None
         assert dialogs == []
-        ARTIFACTS.mkdir(exist_ok=True)
-        page.screenshot(path=str(ARTIFACTS / "samples-html-as-text.png"), full_page=True)
+        screenshot(page, "samples-html-as-text.png")
