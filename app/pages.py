@@ -13,7 +13,7 @@ from pydantic import ValidationError, create_model
 
 from daemon.records import Conflict, RunNotFound, RunRequest
 from daemon.models import ACTIVE, STATUSES, TERMINAL
-from molt_engine.config import RunConfig
+from molt_engine.config import PRESETS, RunConfig
 from molt_engine.envs import ENVS, load_user_envs
 
 from . import rest
@@ -177,7 +177,6 @@ def non_default(config: dict, defaults: dict) -> dict:
 
 def launch_context(values: dict, advanced: str, errors: dict | None = None, name: str = "", tags: str = "",
                    max_restarts: str = "") -> dict:
-    from molt_engine.models import PRESETS  # imports torch: only the launch page pays for it
     load_user_envs()  # the user's env directories (--envs): a file added or fixed since start is offered now
     defaults = RunConfig(env="max_digit").model_dump(mode="json")
     placeholders = {}
@@ -187,7 +186,7 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
             node = node.get(key) if isinstance(node, dict) else None
         placeholders[field] = "" if node is None else node
     return {"values": values, "advanced": advanced, "errors": errors or {}, "envs": sorted(ENVS),
-            "presets": sorted(PRESETS), "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
+            "presets": PRESETS, "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
             "tags": tags, "max_restarts": max_restarts}
 
 
