@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import math
 import random
+import resource
 import signal
 import threading
 import time
@@ -101,6 +102,7 @@ class Training:
         self.counts = {"env_errors": 0, "stale_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}
+        self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
@@ -142,8 +144,10 @@ class Training:
             if self.reference is not None:
                 self.reference.load_state_dict(self.model.state_dict())
         self.published = _copy_weights(self.model)
-        self.sampler = Sampler(copy.deepcopy(self.model), self.eos_id, self.pad_id, self.cfg.loop.temperature,
-                               version=self.version)
+        # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device.
+        self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.eos_id,
+                               self.pad_id, self.cfg.loop.temperature, version=self.version,
+                               kv_budget_gb=self.cfg.loop.kv_budget_gb)
 
     async def warm_start(self):
         ws = self.cfg.warm_start
@@ -233,8 +237,13 @@ class Training:
             if batch is None:  # stop requested while waiting for rollouts
                 break
             groups, waited = batch
+            micro = self.micro_batch_size
             metrics, weights, samples = await asyncio.to_thread(self.update, groups)
             self.step += 1
+            if self.micro_batch_size != micro:
+                self.sink.event("oom", f"step {step}: out of memory in the update; retried with micro-batches of "
+                                f"{self.micro_batch_size} episodes, kept for the rest of the run", step=step,
+                                micro_batch_size=self.micro_batch_size)
             if weights is None:
                 weights = await self.on_trip(step, groups, metrics)
             version = self.version + (weights is not None)
@@ -267,10 +276,29 @@ class Training:
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
         """The update and the batch's metrics (in a worker thread). Returns them, the weights to publish and the
-        records of the batch's samples (record.samples_per_step groups)."""
-        metrics, weights, adv, trainer_logprobs = train_step(
-            self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
-            published=self.published, reference=self.reference, pad_id=self.pad_id)
+        records of the batch's samples (record.samples_per_step groups). Out of memory, the update starts over from
+        the published weights with micro-batches half the size, down to one episode."""
+        first = True
+        while True:
+            try:
+                if first:
+                    drills.out_of_memory(self.cfg.drills, self.step)
+                metrics, weights, adv, trainer_logprobs = train_step(
+                    self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
+                    published=self.published, reference=self.reference, pad_id=self.pad_id,
+                    micro_batch_size=self.micro_batch_size)
+                break
+            except torch.OutOfMemoryError:
+                largest = self.micro_batch_size or sum(len(g) for g in groups)
+                if largest == 1:
+                    raise
+                # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
+                self.optimizer.zero_grad(set_to_none=True)
+                self.model.load_state_dict(self.published)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                self.micro_batch_size, first = max(1, largest // 2), False
+        metrics.update(_memory(next(self.model.parameters()).device))
         samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
                                    self.version)
         return {**batch_metrics(groups, self.version), **metrics}, weights, samples
@@ -419,6 +447,16 @@ class Training:
         self.sink.event("resumed", f"resumed from {path.name}: step {self.step}, version {self.version}, "
                         f"{sum(map(len, self.buffer))} buffered episodes, {len(self.requeued)} prompts to rerun",
                         step=self.step, path=str(path))
+
+
+def _memory(device: torch.device) -> dict:
+    """The process's resident memory and, on a GPU, what torch holds there now and at most since the last step."""
+    values = {"rss_gb": int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 1e9}
+    if device.type == "cuda":
+        values.update(gpu_mem_allocated_gb=torch.cuda.memory_allocated(device) / 1e9,
+                      gpu_mem_peak_gb=torch.cuda.max_memory_allocated(device) / 1e9)
+        torch.cuda.reset_peak_memory_stats(device)
+    return values
 
 
 def _copy_weights(model) -> dict:
