@@ -143,6 +143,9 @@ class Training:
             await self.warm_start()
             if self.reference is not None:
                 self.reference.load_state_dict(self.model.state_dict())
+        device, dtype = next(self.model.parameters()).device, self.cfg.model.dtype
+        name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+        self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype)
         self.published = _copy_weights(self.model)
         # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device.
         self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.eos_id,
