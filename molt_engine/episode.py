@@ -136,4 +136,6 @@ def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:
     """A VLM's image placeholder token is never an action (a generated one would have no image behind it): the
     sampler and the trainer both take it out of the distribution, so their log-probs agree."""
     image_token = getattr(config, "image_token_id", None)
-    return logits if image_token is None else logits.index_fill(-1, torch.tensor(image_token, device=logits.device), float("-inf"))
+    if image_token is None:
+        return logits
+    return logits.index_fill(-1, torch.tensor(image_token, device=logits.device), float("-inf"))
