@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from molt_engine.breaker import Breaker  # noqa: E402
+from molt_engine.config import RunConfig  # noqa: E402
 from molt_engine.episode import Episode  # noqa: E402
 from molt_engine.loop import train  # noqa: E402
 from molt_engine.models import char_tokenizer  # noqa: E402
@@ -103,11 +105,10 @@ def throughput(args):
         rows.append((name, args.batch * new / seconds, torch.cuda.max_memory_allocated() / 1e9))
     episodes = sampled_episodes(asyncio.run(sample()), prompt)
     groups = [episodes[i:i + 8] for i in range(0, len(episodes), 8)]
-    for e, r in zip(episodes, range(len(episodes))):
-        e.reward = float(r % 2)
+    for i, e in enumerate(episodes):  # half of each group right: every episode has an advantage
+        e.reward = float(i % 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     cfg = _cfg(args)
-    from molt_engine.breaker import Breaker
     published = {k: v.detach().clone() for k, v in model.state_dict().items()}
     step_args = dict(breaker=Breaker(cfg.breaker), published=published, pad_id=tok.pad_token_id,
                      micro_batch_size=args.micro)
@@ -133,7 +134,6 @@ def sampled_episodes(requests, prompt) -> list[Episode]:
 
 
 def _cfg(args):
-    from molt_engine.config import RunConfig
     return RunConfig.model_validate({"env": "max_digit", "model": {"dtype": args.dtype[0]},
                                      "loop": {"groups_per_step": args.batch // 8, "group_size": 8}})
 
