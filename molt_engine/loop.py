@@ -4,7 +4,6 @@ import copy
 import dataclasses
 import math
 import random
-import resource
 import signal
 import threading
 import time
@@ -25,7 +24,7 @@ from .models import load_policy, routers
 from .rollout import EnvError, Rollout
 from .sampler import Sampler
 from .samples import record, training_samples
-from .update import batch_metrics, train_step
+from .update import batch_metrics, memory_metrics, train_step_fitting
 
 EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
 
@@ -279,29 +278,12 @@ class Training:
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
         """The update and the batch's metrics (in a worker thread). Returns them, the weights to publish and the
-        records of the batch's samples (record.samples_per_step groups). Out of memory, the update starts over from
-        the published weights with micro-batches half the size, down to one episode."""
-        first = True
-        while True:
-            try:
-                if first:
-                    drills.out_of_memory(self.cfg.drills, self.step)
-                metrics, weights, adv, trainer_logprobs = train_step(
-                    self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
-                    published=self.published, reference=self.reference, pad_id=self.pad_id,
-                    micro_batch_size=self.micro_batch_size)
-                break
-            except torch.OutOfMemoryError:
-                largest = self.micro_batch_size or sum(len(g) for g in groups)
-                if largest == 1:
-                    raise
-                # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
-                self.optimizer.zero_grad(set_to_none=True)
-                self.model.load_state_dict(self.published)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                self.micro_batch_size, first = max(1, largest // 2), False
-        metrics.update(_memory(next(self.model.parameters()).device))
+        records of the batch's samples (record.samples_per_step groups). The micro-batch size that fit is kept."""
+        (metrics, weights, adv, trainer_logprobs), self.micro_batch_size = train_step_fitting(
+            self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
+            published=self.published, reference=self.reference, pad_id=self.pad_id,
+            micro_batch_size=self.micro_batch_size)
+        metrics.update(memory_metrics(next(self.model.parameters()).device))
         samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
                                    self.version)
         return {**batch_metrics(groups, self.version), **metrics}, weights, samples
@@ -450,16 +432,6 @@ class Training:
         self.sink.event("resumed", f"resumed from {path.name}: step {self.step}, version {self.version}, "
                         f"{sum(map(len, self.buffer))} buffered episodes, {len(self.requeued)} prompts to rerun",
                         step=self.step, path=str(path))
-
-
-def _memory(device: torch.device) -> dict:
-    """The process's resident memory and, on a GPU, what torch holds there now and at most since the last step."""
-    values = {"rss_gb": int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 1e9}
-    if device.type == "cuda":
-        values.update(gpu_mem_allocated_gb=torch.cuda.memory_allocated(device) / 1e9,
-                      gpu_mem_peak_gb=torch.cuda.max_memory_allocated(device) / 1e9)
-        torch.cuda.reset_peak_memory_stats(device)
-    return values
 
 
 def _copy_weights(model) -> dict:

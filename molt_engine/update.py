@@ -1,6 +1,8 @@
 """One trainer step on a batch of groups (advantages, minibatched PPO/GSPO optimizer steps against the proximal policy,
 the breaker's verdict) and the batch's episode metrics."""
 import math
+import resource
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,29 @@ from . import drills
 from .algo import GROUP_ESTIMATORS, advantages, policy_loss
 from .episode import Episode, collate, to_device, token_logprobs, uncollated
 from .models import routers, routing_stats
+
+
+def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, published: dict,
+                       micro_batch_size: int | None, **kwargs) -> tuple[tuple, int | None]:
+    """train_step, started over from `published` with micro-batches half the size (down to one episode) whenever it
+    runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit."""
+    first_try = True
+    while True:
+        try:
+            if first_try:
+                drills.out_of_memory(cfg.drills, step)
+            return train_step(model, optimizer, groups, cfg, step=step, published=published,
+                              micro_batch_size=micro_batch_size, **kwargs), micro_batch_size
+        except torch.OutOfMemoryError:
+            largest = micro_batch_size or sum(len(g) for g in groups)
+            if largest == 1:
+                raise
+            # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
+            optimizer.zero_grad(set_to_none=True)
+            model.load_state_dict(published)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            micro_batch_size, first_try = max(1, largest // 2), False
 
 
 def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, breaker, published: dict,
@@ -137,6 +162,16 @@ def _logprobs(model, batch: dict, cfg, stats: bool) -> tuple[torch.Tensor, torch
         for router in moe:  # the logits hold the autograd graph: a model holding them can't be deep-copied
             router.replay = router.logits = None
     return logp, aux, moe_metrics
+
+
+def memory_metrics(device: torch.device) -> dict:
+    """The process's resident memory and, on a GPU, what torch holds there now and at most since the last step."""
+    values = {"rss_gb": int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 1e9}
+    if device.type == "cuda":
+        values.update(gpu_mem_allocated_gb=torch.cuda.memory_allocated(device) / 1e9,
+                      gpu_mem_peak_gb=torch.cuda.max_memory_allocated(device) / 1e9)
+        torch.cuda.reset_peak_memory_stats(device)
+    return values
 
 
 def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
