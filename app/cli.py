@@ -129,9 +129,9 @@ def web_options(p):
 # ---- serve / web / daemon ---------------------------------------------------------------------------------------------
 
 def cmd_serve(args) -> int:
-    from daemon.api import Api
+    from daemon.records import Records
     from daemon.keeper import Keeper
-    records = Api(args.home)  # applies the migrations before anything else touches the database
+    records = Records(args.home)  # applies the migrations before anything else touches the database
     print(f"molt serve: data directory {records.home}", flush=True)
     use_envs(args.envs, "molt serve")
     keeper = Keeper(records, daemon_command(records.home, args))  # starts the daemon, or adopts a running one
@@ -144,11 +144,11 @@ def cmd_serve(args) -> int:
 
 
 def cmd_web(args) -> int:
-    from daemon.api import Api
-    home = Api(args.home).home
+    from daemon.records import Records
+    home = Records(args.home).home
     print(f"molt web: data directory {home}", flush=True)
     use_envs(args.envs, "molt web")
-    if not Api(home, migrate=False).daemon_status()["running"]:
+    if not Records(home, migrate=False).daemon_status()["running"]:
         print("molt web: no daemon owns this data directory yet: queued runs wait until `molt daemon` runs",
               file=sys.stderr)
     serve_web(home, args)

@@ -69,7 +69,7 @@ def _finite(v):
 
 
 def daemon_message(status: dict) -> dict:
-    """What every page shows about the daemon (Api.daemon_status): `message` is empty while it is alive."""
+    """What every page shows about the daemon (Records.daemon_status): `message` is empty while it is alive."""
     last = status["last_event"]
     if status["alive"]:
         message = ""
@@ -89,7 +89,7 @@ class Hub:
     def __init__(self, engine: Engine, home: Path, daemon_status, webhook_url: str | None = None,
                  public_url: str | None = None, poll: float = POLL_S):
         self.engine, self.home, self.poll = engine, Path(home), poll
-        self.daemon_status = daemon_status   # Api.daemon_status
+        self.daemon_status = daemon_status   # Records.daemon_status
         self.daemon_viewers: set[asyncio.Queue] = set()
         self.daemon: dict | None = None      # the daemon message last pushed
         self.daemon_checked = 0.0

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
 
-from daemon.api import Api, RunNotFound
+from daemon.records import Records, RunNotFound
 
 from . import pages, prometheus, rest
 from .auth import Auth, load_or_create_token, same_origin
@@ -29,7 +29,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
                public_url: str | None = None, poll: float | None = None, metrics_public: bool = False) -> FastAPI:
     """The app over the data directory `home` (migrated on start). `token`: default $MOLT_TOKEN, else the one
     saved in the data directory (created on first start). `metrics_public`: /metrics without the token."""
-    records = Api(home)
+    records = Records(home)
     token = token or load_or_create_token(records.home)
     hub = Hub(records.engine, records.home, records.daemon_status, webhook_url=webhook_url, public_url=public_url,
               **({"poll": poll} if poll else {}))
@@ -53,7 +53,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app = FastAPI(title="Molt Studio", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="REST API of Molt Studio. Authenticate with `Authorization: Bearer <token>`; the "
                               "token is printed by `molt serve` and kept in the data directory's `token` file.")
-    app.state.api, app.state.auth, app.state.hub = records, Auth(token), hub
+    app.state.records, app.state.auth, app.state.hub = records, Auth(token), hub
     app.state.series = SeriesCache(records.engine)
     app.state.webhook_url = webhook_url
     app.state.metrics_public = metrics_public
@@ -158,7 +158,7 @@ async def _drain(ws: WebSocket):
 
 
 def read_backfill(app: FastAPI, run_id: int, after_step: int, max_points: int) -> list[dict]:
-    records = app.state.api
+    records = app.state.records
     run = records.get_run(run_id)
     metrics = rest.metric_series(app.state.series, run_id, None, after_step, max_points)
     return [{"type": "status", "run": run},

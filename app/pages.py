@@ -11,7 +11,7 @@ from fastapi.templating import Jinja2Templates
 from markupsafe import escape
 from pydantic import ValidationError, create_model
 
-from daemon.api import Conflict, RunNotFound, RunRequest
+from daemon.records import Conflict, RunNotFound, RunRequest
 from daemon.models import ACTIVE, STATUSES, TERMINAL
 from molt_engine.config import RunConfig
 from molt_engine.envs import ENVS, load_user_envs
@@ -126,7 +126,7 @@ def safe_next(path: str) -> str:
 def list_context(request: Request, status: str | None, tag: str | None, before: int | None) -> dict:
     """One page of runs, newest first; `before` (a run id) starts the page after the runs newer than it."""
     status = status if status in STATUSES else None
-    runs = request.app.state.api.list_runs(status=status, tag=tag or None, limit=RUNS_PER_PAGE + 1, before=before)
+    runs = request.app.state.records.list_runs(status=status, tag=tag or None, limit=RUNS_PER_PAGE + 1, before=before)
     filters = {k: v for k, v in (("status", status), ("tag", tag)) if v}
     older = {**filters, "before": runs[RUNS_PER_PAGE - 1]["id"]} if len(runs) > RUNS_PER_PAGE else None
     return {"runs": runs[:RUNS_PER_PAGE], "status": status, "tag": tag or "", "statuses": STATUSES,
@@ -221,7 +221,7 @@ def launch_page(request: Request, clone: int | None = None):
     values, advanced, name, tags = {"env": "max_digit", "preset": "tiny-dense", "path": ""}, {}, "", ""
     if clone is not None:
         try:
-            run = request.app.state.api.get_run(clone)
+            run = request.app.state.records.get_run(clone)
         except RunNotFound:
             raise HTTPException(404, f"no run {clone}") from None
         values, advanced = form_values(run["config"])
@@ -272,7 +272,7 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     run = None
     if not errors:
         try:
-            run = request.app.state.api.queue_run(RunRequest.model_validate(wanted))
+            run = request.app.state.records.queue_run(RunRequest.model_validate(wanted))
         except ValidationError as e:
             for err in e.errors():
                 loc = err["loc"]
@@ -317,7 +317,7 @@ def deep_merge(base: dict, extra: dict) -> dict:
 
 def get_run_or_404(request: Request, run_id: int) -> dict:
     try:
-        return request.app.state.api.get_run(run_id)
+        return request.app.state.records.get_run(run_id)
     except RunNotFound:
         raise HTTPException(404, f"no run {run_id}") from None
 
@@ -341,7 +341,7 @@ async def samples_page(request: Request, run_id: int):
 @router.get("/runs/{run_id}/panels/{panel}")
 @guarded
 def run_panel(request: Request, run_id: int, panel: str):
-    records = request.app.state.api
+    records = request.app.state.records
     run = get_run_or_404(request, run_id)
     if panel == "actions":
         return render(request, "_actions.html", run=run, active=ACTIVE)
@@ -359,7 +359,7 @@ def run_panel(request: Request, run_id: int, panel: str):
 @guarded
 def run_action(request: Request, run_id: int, action: str, csrf_token: Annotated[str | None, Form()] = None):
     check_csrf(request, csrf_token)
-    records = request.app.state.api
+    records = request.app.state.records
     calls = {"stop": records.stop_run, "resume": records.resume_run}
     if action not in calls:
         raise HTTPException(404, f"no action {action}")
@@ -383,7 +383,7 @@ def ack_alert(request: Request, run_id: int, alert_id: int, csrf_token: Annotate
     run = get_run_or_404(request, run_id)
     if not request.headers.get("hx-request"):
         return RedirectResponse(f"/runs/{run_id}", status_code=303)
-    return render(request, "_alerts.html", run=run, alerts=request.app.state.api.alerts(run_id)[::-1])
+    return render(request, "_alerts.html", run=run, alerts=request.app.state.records.alerts(run_id)[::-1])
 
 
 # ---- compare --------------------------------------------------------------------------------------------------------
@@ -394,7 +394,7 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
     wanted = []
     for part in ids:
         wanted += [int(x) for x in part.split(",") if x.strip().isdigit()]
-    records = request.app.state.api
+    records = request.app.state.records
     runs = []
     for run_id in dict.fromkeys(wanted):
         try:

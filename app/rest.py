@@ -15,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from sqlalchemy import select
 
-from daemon.api import Conflict, RunNotFound, RunRequest
+from daemon.records import Conflict, RunNotFound, RunRequest
 from daemon.models import STATUSES, TERMINAL, Metric
 from molt_engine.envs import ENVS, load_user_envs
 
@@ -195,8 +195,8 @@ protected = APIRouter(dependencies=[Depends(authenticated)],
 with_run = {404: _problem("no such run")}
 
 
-def api(request: Request):
-    return request.app.state.api
+def records_of(request: Request):
+    return request.app.state.records
 
 
 @router.get("/health", response_model=Health, tags=["meta"],
@@ -209,7 +209,7 @@ def health(request: Request, response: Response):
         v = version("molt-studio")
     except PackageNotFoundError:
         v = "unknown"
-    daemon = api(request).daemon_status()
+    daemon = records_of(request).daemon_status()
     if not daemon["alive"]:
         response.status_code = 503
     return {"status": "ok" if daemon["alive"] else "degraded", "version": v, "daemon": daemon, "time": time.time()}
@@ -228,7 +228,7 @@ def envs():
 @protected.post("/runs", status_code=201, response_model=RunOut, tags=["runs"])
 def create_run(request: Request, body: RunRequest):
     """Validate the config and queue a run; the daemon starts it when a slot is free."""
-    return api(request).queue_run(body)
+    return records_of(request).queue_run(body)
 
 
 @protected.get("/runs", response_model=list[RunOut], tags=["runs"])
@@ -238,12 +238,12 @@ def list_runs(request: Request, status: Annotated[list[Literal[STATUSES]] | None
               before: Annotated[int | None, Query(ge=1, le=2**62, description="only runs older than this id: the "
                                                   "next page after a `limit`-long answer")] = None):
     """Newest first; `status` may repeat (?status=running&status=queued)."""
-    return api(request).list_runs(status=status or None, tag=tag, limit=limit, before=before)
+    return records_of(request).list_runs(status=status or None, tag=tag, limit=limit, before=before)
 
 
 @protected.get("/runs/{run_id}", response_model=RunOut, responses=with_run, tags=["runs"])
 def get_run(request: Request, run_id: RunId):
-    return found(api(request).get_run, run_id)
+    return found(records_of(request).get_run, run_id)
 
 
 @protected.get("/runs/{run_id}/metrics", response_model=MetricsOut, responses=with_run, tags=["metrics"])
@@ -254,7 +254,7 @@ def metrics(request: Request, run_id: RunId,
                                                     "keep spikes and NaN")] = None):
     """Series by name, columnar (step, value, time). NaN and ±inf come as the strings "NaN", "Infinity",
     "-Infinity"."""
-    found(api(request).get_run, run_id)
+    found(records_of(request).get_run, run_id)
     return metric_series(request.app.state.series, run_id, names, after_step, max_points)
 
 
@@ -275,7 +275,7 @@ def metric_series(cache, run_id: int, names: str | list[str] | None, after_step=
                responses={**with_run, 200: {"content": {"text/csv": {}}, "description": "step,name,value,time"}})
 def metrics_csv(request: Request, run_id: RunId):
     """Every recorded value at full resolution, one row per (step, name); NaN as `nan`, infinities as `inf`."""
-    records = api(request)
+    records = records_of(request)
     found(records.get_run, run_id)
 
     def rows():
@@ -299,7 +299,7 @@ def metrics_csv(request: Request, run_id: RunId):
 
 @protected.get("/runs/{run_id}/alerts", response_model=list[AlertOut], responses=with_run, tags=["records"])
 def alerts(request: Request, run_id: RunId, unacknowledged: bool = False):
-    return found(api(request).alerts, run_id, unacknowledged=unacknowledged)
+    return found(records_of(request).alerts, run_id, unacknowledged=unacknowledged)
 
 
 @protected.post("/runs/{run_id}/alerts/{alert_id}/ack", response_model=AlertOut, tags=["records"],
@@ -310,7 +310,7 @@ def acknowledge(request: Request, run_id: RunId, alert_id: AlertId):
 
 
 def acknowledge_alert(request: Request, run_id: int, alert_id: int) -> dict:
-    alert = found(api(request).acknowledge_alert, run_id, alert_id)
+    alert = found(records_of(request).acknowledge_alert, run_id, alert_id)
     # from the thread pool (sync handlers) to the event loop that owns the viewers' queues
     anyio.from_thread.run_sync(request.app.state.hub.publish, run_id, {"type": "ack", "alert": alert})
     return alert
@@ -318,20 +318,20 @@ def acknowledge_alert(request: Request, run_id: int, alert_id: int) -> dict:
 
 @protected.get("/runs/{run_id}/events", response_model=list[EventOut], responses=with_run, tags=["records"])
 def events(request: Request, run_id: RunId, after_id: Annotated[int | None, Query(ge=0, le=2**62)] = None):
-    return found(api(request).events, run_id, after_id=after_id)
+    return found(records_of(request).events, run_id, after_id=after_id)
 
 
 @protected.get("/runs/{run_id}/attempts", response_model=list[AttemptOut], responses=with_run, tags=["records"])
 def attempts(request: Request, run_id: RunId):
     """Each worker process of the run, with the cause of its end (exit code, signal, exception, hang)."""
-    return found(api(request).attempts, run_id)
+    return found(records_of(request).attempts, run_id)
 
 
 @protected.get("/runs/{run_id}/checkpoints", response_model=list[CheckpointOut], responses=with_run,
                tags=["records"])
 def checkpoints(request: Request, run_id: RunId):
     """Every checkpoint recorded; `exists` is false for those the engine has pruned."""
-    return found(api(request).checkpoints, run_id)
+    return found(records_of(request).checkpoints, run_id)
 
 
 @protected.get("/runs/{run_id}/log", tags=["records"],
@@ -339,7 +339,7 @@ def checkpoints(request: Request, run_id: RunId):
 def log_tail(request: Request, run_id: RunId, attempt: Annotated[int | None, Query(ge=1, le=10**6)] = None,
              max_bytes: Annotated[int, Query(ge=1, le=10**7)] = 65536):
     """The tail of an attempt's stdout + stderr (the latest attempt by default)."""
-    return PlainTextResponse(found(api(request).log_tail, run_id, attempt, max_bytes))
+    return PlainTextResponse(found(records_of(request).log_tail, run_id, attempt, max_bytes))
 
 
 conflict = {**with_run, 409: _problem("the run's status does not allow it")}
@@ -348,13 +348,13 @@ conflict = {**with_run, 409: _problem("the run's status does not allow it")}
 @protected.post("/runs/{run_id}/stop", status_code=202, response_model=RunOut, responses=conflict, tags=["runs"])
 def stop(request: Request, run_id: RunId):
     """A queued run stops at once; a running one checkpoints and ends `stopped` (the daemon acts within a poll)."""
-    return found(api(request).stop_run, run_id)
+    return found(records_of(request).stop_run, run_id)
 
 
 @protected.post("/runs/{run_id}/resume", status_code=202, response_model=RunOut, responses=conflict, tags=["runs"])
 def resume(request: Request, run_id: RunId):
     """Queue a stopped, failed or tripped run again; it continues from its latest checkpoint."""
-    return found(api(request).resume_run, run_id)
+    return found(records_of(request).resume_run, run_id)
 
 
 @protected.get("/runs/{run_id}/wait", response_model=RunOut, responses=with_run, tags=["runs"])
@@ -362,7 +362,7 @@ async def wait(request: Request, run_id: RunId,
                timeout: Annotated[float, Query(ge=0, le=3600, description="seconds")] = 30.0):
     """The run once it is terminal (completed, failed, stopped, tripped) or when `timeout` passes, whichever is
     first; look at `status`. Waits without holding a thread."""
-    records = api(request)
+    records = records_of(request)
     deadline = time.monotonic() + timeout
     while True:
         run = await asyncio.to_thread(found, records.get_run, run_id)
@@ -449,7 +449,7 @@ def samples(request: Request, run_id: RunId, filters: Annotated[dict, Depends(sa
             cursor: Annotated[int | None, Query(ge=0, le=2**62, description="next_cursor of the previous page")] = None):
     """Recorded episodes (each step's sample of its trained episodes, and each eval's), oldest first, with every
     token's numbers."""
-    rows = found(api(request).samples, run_id, **filters, limit=limit, cursor=cursor)
+    rows = found(records_of(request).samples, run_id, **filters, limit=limit, cursor=cursor)
     return {"run_id": run_id, "samples": rows, "next_cursor": rows[-1]["id"] if len(rows) == limit else None}
 
 
@@ -457,7 +457,7 @@ def samples(request: Request, run_id: RunId, filters: Annotated[dict, Depends(sa
     **with_run, 200: {"content": {"application/x-ndjson": {}}, "description": "one SampleOut per line"}})
 def samples_jsonl(request: Request, run_id: RunId, filters: Annotated[dict, Depends(sample_filters)]):
     """Every recorded episode that passes the filters, one JSON object per line (as in /samples)."""
-    records = api(request)
+    records = records_of(request)
     found(records.get_run, run_id)
 
     def lines():
@@ -473,7 +473,7 @@ def samples_jsonl(request: Request, run_id: RunId, filters: Annotated[dict, Depe
 @protected.get("/runs/{run_id}/samples/steps", response_model=list[SampleStep], responses=with_run, tags=["samples"])
 def sample_steps(request: Request, run_id: RunId):
     """The steps that have recorded samples, with how many of each kind."""
-    return found(api(request).sample_steps, run_id)
+    return found(records_of(request).sample_steps, run_id)
 
 
 router.include_router(protected)

@@ -18,7 +18,7 @@ from sqlalchemy import bindparam, func, null, select
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from daemon.api import extremes
+from daemon.records import extremes
 from daemon.models import BUCKET_SHIFTS, Event, Metric, MetricBucket
 
 REPLAY_EVENTS = ("resumed", "rollback")   # after these the engine rewrites steps that were already recorded
@@ -160,7 +160,7 @@ def bucket_extremes(conn, run_id: int, name: str, level: int, after_step: int | 
 
 def downsample(series: Series, after_step: int | None = None, max_points: int | None = None) -> Series:
     """The steps after `after_step`, reduced to at most `max_points` points by the records' one rule
-    (daemon.api.extremes: each bucket's min, max and first NaN)."""
+    (daemon.records.extremes: each bucket's min, max and first NaN)."""
     lo = int(np.searchsorted(series.steps, after_step, side="right")) if after_step is not None else 0
     idx = lo + extremes(series.values[lo:], max_points)
     return Series(series.steps[idx], series.values[idx], series.times[idx], series.replay_mark)

@@ -31,13 +31,13 @@ import httpx  # noqa: E402  (after app_common put the repository on sys.path)
 import websockets  # noqa: E402
 from sqlmodel import Session  # noqa: E402
 
-from daemon.api import Api  # noqa: E402
+from daemon.records import Records  # noqa: E402
 from daemon.models import Attempt  # noqa: E402
 from daemon.sink import DbSink  # noqa: E402
 
 
 def live(home: Path, child: Child, seconds: float, page_rate: float) -> dict:
-    api = Api(home)
+    api = Records(home)
     run = api.create_run({"env": "max_digit"}, name=f"latency at {page_rate:g} pages/s")
     with Session(api.engine) as s:
         attempt = Attempt(run_id=run["id"], number=1)
@@ -103,7 +103,7 @@ def live(home: Path, child: Child, seconds: float, page_rate: float) -> dict:
 
 def wait_ended(home: Path, child: Child) -> float:
     """Seconds GET /wait?timeout=20 takes on a run that has already ended."""
-    run = Api(home).create_run({"env": "max_digit"}, name="ended")
+    run = Records(home).create_run({"env": "max_digit"}, name="ended")
     client = httpx.Client(base_url=child.base, headers={"Authorization": f"Bearer {child.token}"}, timeout=60)
     assert client.post(f"/api/v1/runs/{run['id']}/stop").json()["status"] == "stopped"  # queued: stops at once
     start = time.perf_counter()
@@ -112,7 +112,7 @@ def wait_ended(home: Path, child: Child) -> float:
 
 
 def long_series(home: Path, points: int, restarts: int) -> dict:
-    api = Api(home)
+    api = Records(home)
     run = api.create_run({"env": "max_digit"}, name="long")
     rng = random.Random(1)
     spike, nan, inf, neg_inf = rng.sample(range(points), 4)
@@ -153,7 +153,7 @@ def main():
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        api = Api(home)
+        api = Records(home)
         for i in range(a.runs):
             api.create_run({"env": "max_digit"}, name=f"listed {i}", tags=["bench"])
         child = Child("web", home)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlmodel import Session  # noqa: E402
 
-from daemon.api import Api  # noqa: E402
+from daemon.records import Records  # noqa: E402
 from daemon.models import Attempt  # noqa: E402
 from daemon.sink import DbSink  # noqa: E402
 from molt_engine import NullSink, train  # noqa: E402
@@ -43,7 +43,7 @@ class Measured:
         return getattr(self.inner, name)
 
 
-def db_sink(api: Api, config: dict, spool: Path) -> DbSink:
+def db_sink(api: Records, config: dict, spool: Path) -> DbSink:
     run = api.create_run(config)
     with Session(api.engine) as s:
         attempt = Attempt(run_id=run["id"], number=1)
@@ -63,7 +63,7 @@ def main():
     train_s = call_s = writer_s = 0.0
     rows = 0
     with tempfile.TemporaryDirectory() as tmp:
-        api = Api(Path(tmp) / "home")
+        api = Records(Path(tmp) / "home")
         for i in range(args.repeats):
             for kind in (("null", "db") if i % 2 == 0 else ("db", "null")):
                 inner = db_sink(api, config, Path(tmp) / f"spool{i}") if kind == "db" else NullSink()

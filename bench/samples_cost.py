@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from daemon.api import Api  # noqa: E402
+from daemon.records import Records  # noqa: E402
 from daemon.sink import DbSink  # noqa: E402
 from molt_engine import loop, train  # noqa: E402
 
@@ -69,7 +69,7 @@ def main():
     train_s = call_s = 0.0
     writer_s = {"on": 0.0, "off": 0.0}
     with tempfile.TemporaryDirectory() as tmp:
-        api = Api(Path(tmp) / "home")
+        api = Records(Path(tmp) / "home")
         for i in range(args.pairs):
             pair = {}
             for kind in (("off", "on") if i % 2 == 0 else ("on", "off")):

@@ -13,7 +13,7 @@ import time
 from sqlalchemy import select
 from sqlmodel import Session
 
-from .api import Api
+from .records import Records
 from .db import DAEMON_HANG_S, add_daemon_event, add_event
 from .models import ACTIVE, Run
 from .supervisor import INTERRUPTED
@@ -30,7 +30,7 @@ class Keeper:
     timeline and on every active run's, then a new daemon after the backoff: 1 s, doubling while daemons keep dying
     within HEALTHY_S, at most 30 s. So a killed daemon is replaced within poll + backoff + its start (~2 s)."""
 
-    def __init__(self, records: Api, command: list[str], poll: float = 0.5, hang: float = DAEMON_HANG_S):
+    def __init__(self, records: Records, command: list[str], poll: float = 0.5, hang: float = DAEMON_HANG_S):
         self.records, self.command, self.poll, self.hang = records, command, poll, hang
         self.proc: subprocess.Popen | None = None   # our child, until it exits
         self.pid: int | None = None                 # the daemon we watch: our child or an adopted one
@@ -110,7 +110,7 @@ class Keeper:
         self.pid, self.up_since = None, None
 
 
-def stop_daemon(records: Api, grace: float, say=print) -> bool:
+def stop_daemon(records: Records, grace: float, say=print) -> bool:
     """Stop the daemon that owns the data directory, gracefully: its active runs are stopped (each worker
     checkpoints) and remembered in INTERRUPTED, so that the next daemon resumes them; then the daemon gets SIGTERM
     (SIGKILL if it is still there 15 s later). A KeyboardInterrupt (a second Ctrl-C) cuts the wait for the runs
@@ -161,7 +161,7 @@ def stop_main(argv=None) -> int:
     p.add_argument("--grace", type=float, default=60.0,
                    help="seconds the running workers get to checkpoint and stop (default 60)")
     a = p.parse_args(argv)
-    records = Api(a.home)
+    records = Records(a.home)
     if not stop_daemon(records, a.grace, say=lambda text: print(f"molt daemon stop: {text}", flush=True)):
         print(f"molt daemon stop: no daemon owns {records.home}", file=sys.stderr)
         return 1

@@ -17,7 +17,7 @@ from app.pages import machine_gpus
 from app.series import bucket_extremes
 from app_support import FAST, hook, web_thread  # noqa: F401 (hook is a fixture)
 from conftest import wait_until
-from daemon.api import Api
+from daemon.records import Records
 from daemon.models import Attempt, Run
 from daemon.sink import DbSink
 from sqlalchemy import update
@@ -41,7 +41,7 @@ def web(tmp_path_factory, hook):
     home = tmp_path_factory.mktemp("home")
     with web_thread(home, TOKEN, webhook_url=hook.url, public_url="http://molt.example") as (base, app):
         client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-        yield {"base": base, "app": app, "client": client, "api": Api(home), "home": home}
+        yield {"base": base, "app": app, "client": client, "api": Records(home), "home": home}
         client.close()
 
 

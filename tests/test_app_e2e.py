@@ -100,8 +100,8 @@ def test_ctrl_c_stops_the_worker_with_a_checkpoint_then_the_daemon_and_the_next_
         assert daemon_args[daemon_args.index("--stop-grace") + 1] == "120.0"  # serve's grace reaches the daemon
         assert served.interrupt() == 0, served.output
         assert "molt serve: run %d stopped" % run["id"] in served.output, served.output
-    from daemon.api import Api
-    records = Api(tmp_path)
+    from daemon.records import Records
+    records = Records(tmp_path)
     stopped = records.get_run(run["id"])
     assert stopped["status"] == "stopped" and not records.daemon_status()["running"]
     checkpoints = records.checkpoints(run["id"])

@@ -13,7 +13,7 @@ from sqlmodel import Session
 
 from app_support import FAST, ROOT, child_env, molt, serve, web_thread
 from conftest import wait_until
-from daemon.api import Api
+from daemon.records import Records
 from daemon.db import set_run
 from daemon.keeper import Keeper, stop_daemon
 from daemon.models import Alert, Attempt
@@ -52,7 +52,7 @@ def start_daemon(home: Path) -> subprocess.Popen:
                             env=child_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def assert_each_step_once(records: Api, run_id: int, steps: int):
+def assert_each_step_once(records: Records, run_id: int, steps: int):
     per_name = {}
     rows = records.metrics(run_id)
     for r in rows:
@@ -95,7 +95,7 @@ def test_serve_restarts_its_killed_daemon_each_time_health_and_metrics_say_so_an
               f"{', '.join(f'{t:.2f}' for t in restart_times)} s (backoff 1, 2, 4 s)")
 
         final = served.wait(run, timeout=600)
-        records = Api(tmp_path)
+        records = Records(tmp_path)
         assert final["status"] == "completed", final["last_error"]
         assert_each_step_once(records, run, steps)
         downs = [e for e in records.daemon_events() if e["kind"] == "down"]
@@ -111,7 +111,7 @@ def test_serve_restarts_its_killed_daemon_each_time_health_and_metrics_say_so_an
 
 
 def test_a_hung_daemon_is_killed_and_replaced(tmp_path):
-    records = Api(tmp_path)
+    records = Records(tmp_path)
     keeper = Keeper(records, [sys.executable, "-m", "daemon", "--home", str(tmp_path)], poll=0.2, hang=3)
     keeper.start()
     try:
@@ -131,7 +131,7 @@ def test_a_hung_daemon_is_killed_and_replaced(tmp_path):
 
 
 def test_a_run_that_ends_while_no_daemon_watches_is_completed_at_once(tmp_path):
-    records = Api(tmp_path)
+    records = Records(tmp_path)
     run = records.create_run(config(25))["id"]
     daemon = start_daemon(tmp_path)
     try:
@@ -160,7 +160,7 @@ def test_daemon_stop_stops_an_orphaned_daemon_its_worker_checkpoints_and_the_nex
         daemon_pid = health(served)[1]["daemon"]["pid"]
         assert served.interrupt() == 0
         assert "the daemon keeps running" in served.output, served.output
-    records = Api(tmp_path)
+    records = Records(tmp_path)
     assert records.daemon_status()["pid"] == daemon_pid and records.get_run(run)["status"] == "running"
 
     stop = subprocess.run(molt("daemon", "stop", "--home", str(tmp_path)), capture_output=True, text=True,
@@ -188,7 +188,7 @@ def test_daemon_stop_stops_an_orphaned_daemon_its_worker_checkpoints_and_the_nex
 
 
 def test_serve_adopts_a_running_daemon_and_stops_it_on_ctrl_c(tmp_path):
-    records = Api(tmp_path)
+    records = Records(tmp_path)
     daemon = start_daemon(tmp_path)
     try:
         wait_until(lambda: records.daemon_status()["alive"], 30, message="the daemon")
@@ -206,7 +206,7 @@ def test_serve_adopts_a_running_daemon_and_stops_it_on_ctrl_c(tmp_path):
 
 def test_health_and_metrics_without_a_daemon_and_the_metrics_token(tmp_path):
     # records as workers leave them: a running run with metrics and a breaker trip, attempts that ended uncleanly
-    records = Api(tmp_path)
+    records = Records(tmp_path)
     run = records.create_run(FAST, name="watched")["id"]
     with Session(records.engine) as s:
         set_run(s, run, ("queued",), status="running", step=7)

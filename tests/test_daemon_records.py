@@ -20,7 +20,7 @@ from sqlmodel import Session, SQLModel
 
 from conftest import wait_until
 from daemon import models
-from daemon.api import Api, Conflict, RunNotFound, extremes
+from daemon.records import Records, Conflict, RunNotFound, extremes
 from daemon.db import alembic_config, connect, sqlite_engine, upgrade
 from daemon.models import Attempt, Metric
 from daemon.sink import DbSink, replay_spools
@@ -142,7 +142,7 @@ def test_connections_use_wal_and_a_busy_timeout(tmp_path):
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    return Api(tmp_path_factory.mktemp("home"))
+    return Records(tmp_path_factory.mktemp("home"))
 
 
 def new_attempt(api, run_id, number=1) -> int:
@@ -318,7 +318,7 @@ def test_api_metrics_downsample_each_name_by_the_same_rule(api):
 def test_one_daemon_per_data_directory(tmp_path):
     from daemon.db import hold_lock
     from daemon.supervisor import DaemonRunning, Supervisor
-    api = Api(tmp_path)
+    api = Records(tmp_path)
     assert api.daemon_status()["running"] is False
     lock = hold_lock(tmp_path / "daemon.lock", "4242")  # as a running daemon holds it
     status = api.daemon_status()

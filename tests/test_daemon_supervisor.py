@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from daemon.api import Api
+from daemon.records import Records
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"env": "max_digit", "loop": {"steps": 30, "groups_per_step": 4, "group_size": 4, "eval_every": 0},
@@ -33,7 +33,7 @@ class Studio:
     """A data directory with daemons started on it, and a census of its worker processes taken every 50 ms."""
 
     def __init__(self, home: Path):
-        self.home, self.api = home, Api(home)
+        self.home, self.api = home, Records(home)
         self.daemons: list[subprocess.Popen] = []
         self.max_workers: Counter = Counter()    # per run: most worker processes ever seen alive at once
         self.max_total = 0
@@ -118,7 +118,7 @@ def logs(studio: Studio) -> str:
                                                             *studio.home.glob("runs/*/attempt-*.log")])
 
 
-def assert_each_step_once(api: Api, run_id: int, steps: int):
+def assert_each_step_once(api: Records, run_id: int, steps: int):
     """The trainer's metrics: exactly one row per (name, step), for every step (the unique index guarantees the
     'at most one'; this checks 'at least one', i.e. nothing was lost to a kill)."""
     rows = api.metrics(run_id)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app_support import web_thread
-from daemon.api import Api
+from daemon.records import Records
 from daemon.sink import DbSink, write_records
 from molt_engine import train
 from molt_engine.episode import Episode, collate, uncollated
@@ -63,7 +63,7 @@ def test_training_samples_pick_groups_with_signal_and_put_trainer_logprobs_on_th
 def recorded(tmp_path_factory):
     """A run trained in this process into a real database through the daemon's sink; the records it wrote."""
     home = tmp_path_factory.mktemp("home")
-    records = Api(home)
+    records = Records(home)
     run = records.create_run(CONFIG)
     spool = tmp_path_factory.mktemp("spool")
     sink = DbSink(records.engine, run["id"], 0, spool_dir=spool, keep_samples=CONFIG["record"]["keep_steps"])

@@ -17,7 +17,7 @@ if not shutil.which("chromium") and not Path("/usr/bin/chromium").exists():
 from playwright.sync_api import expect  # noqa: E402
 
 from app_support import ROOT, serve, web_thread  # noqa: E402
-from daemon.api import Api  # noqa: E402
+from daemon.records import Records  # noqa: E402
 from daemon.db import set_run  # noqa: E402
 from daemon.sink import DbSink  # noqa: E402
 from molt_engine import Env, Observation, Result, train  # noqa: E402
@@ -164,7 +164,7 @@ def test_model_text_that_is_html_shows_as_text_and_nothing_runs(tmp_path, page, 
     # a policy taught by its warm start to write the payload, trained in this process into a real database
     config = {"env": html_env, "warm_start": {"steps": 150, "batch_size": 4},
               "loop": {"steps": 1, "groups_per_step": 1, "group_size": 2, "eval_every": 1, "eval_episodes": 1}}
-    records = Api(tmp_path)
+    records = Records(tmp_path)
     run = records.create_run(config, name="html")
     sink = DbSink(records.engine, run["id"], 0)
     try:  # in a thread: Playwright's sync API keeps an event loop running on this one

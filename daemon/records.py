@@ -41,7 +41,7 @@ class Conflict(ValueError):
     """The run's status does not allow the request (e.g. resume a completed run)."""
 
 
-class Api:
+class Records:
     """Everything the app needs, over the database in the data directory (migrated on open). The daemon need not
     run: requests are records (a queued run, a `stopping` status) that the daemon acts on within a poll interval.
     Rows come back as plain dicts; times are unix seconds; a metric value of NaN comes back as float('nan')."""
