@@ -1,13 +1,16 @@
 # Molt Studio: `molt serve` (web app + daemon) on port 8000, data in the /data volume.
-#   docker build -t molt .                                    # CPU torch (default)
-#   docker build -t molt-cuda --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .   # CUDA torch
-#   docker run -p 8000:8000 -v molt-data:/data -e MOLT_TOKEN=... molt     (then run with --gpus all for CUDA)
+#   docker build -t molt .                                        # CPU torch (default)
+#   docker build -t molt-cuda --build-arg TORCH_BUILD=cu130 .     # CUDA torch: the build torch 2.13 pairs with
+#   docker run -p 8000:8000 -v molt-data:/data -e MOLT_TOKEN=... molt
+#   docker run --gpus all -p 8000:8000 -v molt-data:/data molt-cuda   # the daemon schedules every GPU it sees
 # Without MOLT_TOKEN a token is generated into /data/token and printed in the log with the URL to open.
 # Stopping checkpoints the running worker first: give it time (docker stop -t 150; --stop-grace is 120 s).
 FROM python:3.11-slim
 
+# torch==2.13.0+cpu or +cu130 (the CUDA 13.0 build, whose libraries constraints.txt pins): the exact build, from
+# the PyTorch index of that build
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_BUILD=cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -20,7 +23,8 @@ RUN useradd --create-home --uid 1000 molt \
     && mkdir /data && chown molt:molt /data
 
 # torch first, from the index the build arg names: its own layer, reused when only the code changes
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}+${TORCH_BUILD}" \
+    --index-url "https://download.pytorch.org/whl/${TORCH_BUILD}"
 
 # the project, installed (not editable: templates and migrations ship inside it) at the versions constraints.txt
 # pins; the sources go, so nothing but site-packages is imported at run time
@@ -31,7 +35,7 @@ COPY daemon ./daemon
 COPY app ./app
 COPY templates ./templates
 COPY migrations ./migrations
-RUN pip install --no-cache-dir -c constraints.txt . \
+RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" \
     && rm -rf /src/*
 
 WORKDIR /home/molt

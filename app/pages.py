@@ -137,7 +137,31 @@ def list_context(request: Request, status: str | None, tag: str | None, before: 
 @router.get("/")
 @guarded
 def runs_page(request: Request, status: str | None = None, tag: str | None = None, before: int | None = None):
-    return render(request, "runs.html", **list_context(request, status, tag, before))
+    return render(request, "runs.html", gpus=machine_gpus(), **list_context(request, status, tag, before))
+
+
+def machine_gpus() -> list[dict]:
+    """This machine's GPUs (utilisation, memory) from nvidia-ml-py, the optional `gpu` extra; none without it or
+    without an NVIDIA driver, and the runs page then shows no machine panel."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:  # no NVIDIA driver on this machine
+        return []
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append({"index": i, "name": pynvml.nvmlDeviceGetName(handle),
+                         "util": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+                         "used_gb": memory.used / 1e9, "total_gb": memory.total / 1e9})
+        return gpus
+    finally:
+        pynvml.nvmlShutdown()
 
 
 @router.get("/partials/runs")

@@ -38,6 +38,7 @@ class Run(SQLModel, table=True):
     retries: int = 0                       # failed attempts in a row without new progress (the budget)
     max_restarts: int = 3
     pid: int | None = None                 # the live worker, else None
+    gpus: str | None = None                # the GPU ids its live (else last) worker was given, e.g. "0,1"; None = none
     last_error: str | None = Field(default=None, sa_column=Column(Text))
     summary: dict | None = Field(default=None, sa_column=Column(JSON))  # what train() returned, last attempt
     created_at: float = Field(default_factory=now)

@@ -42,17 +42,20 @@ class Worker:
     term_at: float | None = None    # when we sent SIGTERM for a stop
     killed: bool = False
     hang: bool = False
+    gpus: tuple[str, ...] = ()      # the GPU ids it was given (its CUDA_VISIBLE_DEVICES)
 
 
 class Supervisor:
     """One per data directory (MOLT_HOME/daemon.lock). Every poll: watch the workers (exit, heartbeat, stop
     requests), reconcile runs marked active that have no worker here (adopt a live one, else restart), start due
-    restarts and queued runs up to `concurrency`. All state is in the database; this object only caches the
+    restarts and queued runs up to `concurrency` and while the GPUs they ask for are free. All state is in the database; this object only caches the
     workers it watches, so a daemon killed at any moment is replaced by a new one without losing anything."""
 
     def __init__(self, home: str | Path | None = None, *, concurrency: int = 1, heartbeat_timeout: float = 60.0,
-                 poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 120.0):
+                 poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 120.0,
+                 gpus: list[str] | None = None):
         self.home = data_home(home)
+        self.gpus = list(visible_gpus() if gpus is None else gpus)  # ids as CUDA_VISIBLE_DEVICES names them
         self.concurrency, self.heartbeat_timeout, self.poll = concurrency, heartbeat_timeout, poll
         self.backoff, self.backoff_max, self.stop_grace = backoff, backoff_max, stop_grace
         self.workers: dict[int, Worker] = {}
@@ -72,8 +75,8 @@ class Supervisor:
         try:
             self.engine = connect(self.home)
             add_daemon_event(self.engine, "started", f"daemon started (pid {os.getpid()})", pid=os.getpid())
-            log.info("daemon pid %d on %s: concurrency %d, heartbeat timeout %.0fs", os.getpid(), self.home,
-                     self.concurrency, self.heartbeat_timeout)
+            log.info("daemon pid %d on %s: concurrency %d, heartbeat timeout %.0fs, GPUs: %s", os.getpid(),
+                     self.home, self.concurrency, self.heartbeat_timeout, ",".join(self.gpus) or "none")
             self.resume_interrupted()
             while not stop.is_set():
                 try:
@@ -269,7 +272,8 @@ class Supervisor:
             if other.id != attempt.id:
                 self.end_attempt(run.id, other.id, None, lost=True)
         pid = int(pid_text)
-        self.workers[run.id] = Worker(run.id, attempt.id, attempt.number, pid, attempt.started_at, proc=None)
+        self.workers[run.id] = Worker(run.id, attempt.id, attempt.number, pid, attempt.started_at, proc=None,
+                                      gpus=tuple(filter(None, (run.gpus or "").split(","))))
         set_run(s, run.id, ("restarting",), status="running")
         s.execute(update(Run).where(Run.id == run.id).values(pid=pid))
         add_event(s, run.id, "adopted", f"daemon adopted the live worker of attempt {attempt.number} (pid {pid})",
@@ -280,23 +284,46 @@ class Supervisor:
     # ---- starting -------------------------------------------------------------------------------------------------
 
     def start_due(self):
+        """Due restarts, then queued runs in order, each once the GPUs it asks for are free: a queued run that must
+        wait holds back the ones after it, so a large run is never starved by small ones."""
         with Session(self.engine) as s:
             due = s.scalars(select(Run).where(Run.status == "restarting", Run.next_start_at <= now(),
                                               Run.id.not_in(list(self.workers))).order_by(Run.id)).all()
             for run in due:
-                self.start(s, run)
+                if self.gpus_needed(run) <= len(self.free_gpus()):
+                    self.start(s, run)
             active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE)))
             free = self.concurrency - active
             if free > 0:
                 for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
-                    self.start(s, run)
+                    needed = self.gpus_needed(run)
+                    if needed > len(self.gpus):  # it could never start here: say so instead of queueing forever
+                        message = (f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
+                                   f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)")
+                        if set_run(s, run.id, ("queued",), status="failed", finished_at=now(), last_error=message):
+                            add_event(s, run.id, "failed", message)
+                        s.commit()
+                    elif needed > len(self.free_gpus()):
+                        break
+                    else:
+                        self.start(s, run)
+
+    def gpus_needed(self, run: Run) -> int:
+        """The run's `resources.gpus`; by default 1 where this daemon has GPUs, else 0."""
+        asked = (run.config.get("resources") or {}).get("gpus")
+        return (1 if self.gpus else 0) if asked is None else asked
+
+    def free_gpus(self) -> list[str]:
+        held = {g for w in self.workers.values() for g in w.gpus}
+        return [g for g in self.gpus if g not in held]
 
     def start(self, s: Session, run: Run):
         """Mark the run running, record the attempt, then start the worker (in this order: a daemon killed in
         between leaves an open attempt that reconcile() closes; never a worker nobody knows about)."""
         t = now()
+        gpus = self.free_gpus()[:self.gpus_needed(run)]
         if not set_run(s, run.id, (run.status,), status="running", next_start_at=None, finished_at=None,
-                       started_at=func.coalesce(Run.started_at, t)):
+                       started_at=func.coalesce(Run.started_at, t), gpus=",".join(gpus) or None):
             return  # the API changed it meanwhile (stopped)
         number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run.id)) or 0) + 1
         directory = run_dir(self.home, run.id)
@@ -309,7 +336,8 @@ class Supervisor:
                "--home", str(self.home)]
         env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # progress bars would flood the log
                **os.environ, "MOLT_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # its own GPUs only; "" = none: it runs on the CPU
         logfile = open(log_path, "ab")
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
@@ -323,11 +351,24 @@ class Supervisor:
             return
         s.execute(update(Attempt).where(Attempt.id == attempt.id).values(pid=proc.pid))
         s.execute(update(Run).where(Run.id == run.id).values(pid=proc.pid))
-        add_event(s, run.id, "attempt", f"attempt {number} started (pid {proc.pid})", attempt=number, pid=proc.pid)
+        on = f" on GPU {','.join(gpus)}" if gpus else ""
+        add_event(s, run.id, "attempt", f"attempt {number} started (pid {proc.pid}){on}", attempt=number, pid=proc.pid,
+                  gpus=gpus)
         s.commit()
-        self.workers[run.id] = Worker(run.id, attempt.id, number, proc.pid, t, proc, logfile)
+        self.workers[run.id] = Worker(run.id, attempt.id, number, proc.pid, t, proc, logfile, gpus=tuple(gpus))
         log.info("run %d: attempt %d started, pid %d, log %s", run.id, number, proc.pid, log_path)
 
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: CUDA_VISIBLE_DEVICES when set, else every GPU torch counts (torch is imported
+    only on a machine with the NVIDIA driver, so a CPU-only daemon starts without it)."""
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        return [g.strip() for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    if not Path("/proc/driver/nvidia").exists():
+        return []
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def cli_main(argv=None) -> int:
@@ -347,6 +388,8 @@ def cli_main(argv=None) -> int:
     p.add_argument("--envs", action="append", metavar="DIR",
                    help="a directory of your own envs (*.py), repeatable; default $MOLT_ENVS. Every worker loads it")
     p.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the database (default 0.5)")
+    p.add_argument("--gpus", help="comma-separated GPU ids the daemon gives its runs' workers, e.g. 0,1; "
+                                  "'' = none (default: every visible GPU)")
     a = p.parse_args(argv)
     if a.concurrency < 1:
         p.error("--concurrency must be at least 1")
@@ -360,7 +403,8 @@ def cli_main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     sup = Supervisor(a.home, concurrency=a.concurrency, heartbeat_timeout=a.heartbeat_timeout, poll=a.poll,
-                     backoff=a.backoff, backoff_max=a.backoff_max, stop_grace=a.stop_grace)
+                     backoff=a.backoff, backoff_max=a.backoff_max, stop_grace=a.stop_grace,
+                     gpus=None if a.gpus is None else [g.strip() for g in a.gpus.split(",") if g.strip()])
     try:
         sup.run(stop)
     except DaemonRunning as e:

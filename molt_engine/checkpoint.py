@@ -66,7 +66,8 @@ def load(path: Path, model, reference=None) -> dict:
     model.load_state_dict(type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
     if reference is not None:
         reference.load_state_dict(type(reference).from_pretrained(path / "reference", dtype=torch.float32).state_dict())
-    return torch.load(path / "state.pt", weights_only=False)
+    # On the CPU whatever device saved it: the optimizer moves its state to its parameters' device on load.
+    return torch.load(path / "state.pt", weights_only=False, map_location="cpu")
 
 
 def prune(root: Path, keep: int):

@@ -19,6 +19,10 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     preset: str | None = Field("tiny-dense", description="built-in architecture, randomly initialised")
     path: str | None = Field(None, description="local Hugging Face causal-LM or vision-language (Llava) directory (overrides preset)")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="auto | cpu | cuda | cuda:N; auto = the first visible GPU, else the CPU")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="sampler weights and trainer autocast; the trainer's weights and optimizer stay fp32")
 
     @field_validator("preset")
     @classmethod
@@ -45,6 +49,8 @@ class LoopConfig(_Strict):
     eval_episodes: int = Field(32, gt=0)
     threads: int = Field(1, gt=0, description="torch intra-op threads; the sampler and trainer already run in parallel")
     env_error_window: int = Field(32, gt=0, description="episodes; the run stops when more than half of them failed")
+    kv_budget_gb: float | None = Field(None, gt=0, description="most KV-cache memory the sampler takes; requests "
+                                       "beyond it queue; None = no limit")
 
 
 class AlgoConfig(_Strict):
@@ -64,6 +70,8 @@ class AlgoConfig(_Strict):
     minibatches: int = Field(1, gt=0, description="optimizer steps per trainer step, each on a slice of the batch's "
                              "groups; with more than one step per trainer step the PPO/GSPO clip acts")
     epochs: int = Field(1, gt=0, description="passes over the batch per trainer step (each pass is minibatches steps)")
+    micro_batch_size: int | None = Field(None, gt=0, description="episodes per forward/backward, gradients "
+                                         "accumulated over a minibatch; None = the whole minibatch at once")
     filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
     # MoE policies only (ignored for dense ones)
     routing_replay: bool = Field(True, description="MoE: the training forward uses the experts the sampler used")
@@ -129,6 +137,12 @@ class DrillsConfig(_Strict):
     hang_at: list[int] = Field(default_factory=list, description="steps at which the event loop blocks (no heartbeat)")
     hang_seconds: float = Field(3600.0, gt=0)
     env_error_rate: float = Field(0.0, ge=0, le=1, description="share of env steps that raise")
+    oom_at: list[int] = Field(default_factory=list, description="steps whose update raises torch.OutOfMemoryError once")
+
+
+class ResourcesConfig(_Strict):
+    gpus: int | None = Field(None, ge=0, description="GPUs the daemon gives the run's worker; None = 1 where the "
+                             "daemon has GPUs, else 0")
 
 
 class RunConfig(_Strict):
@@ -144,6 +158,7 @@ class RunConfig(_Strict):
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     record: RecordConfig = Field(default_factory=RecordConfig)
     drills: DrillsConfig = Field(default_factory=DrillsConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @field_validator("env")
     @classmethod

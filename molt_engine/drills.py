@@ -35,3 +35,9 @@ def spike_gradient(drills, step: int, model):
     scale = drills.spike_norm / float(torch.sqrt(sum((n ** 2).sum() for n in noise)))
     for p, n in zip(params, noise):
         p.grad.add_(n * scale)
+
+
+def out_of_memory(drills, step: int):
+    """Raised before the first try of a step's update; the retry runs it with smaller micro-batches."""
+    if step in drills.oom_at:
+        raise torch.OutOfMemoryError(f"drills.oom_at: out of memory injected at step {step}")

@@ -77,6 +77,11 @@ def collate(episodes: list[Episode], pad_id: int) -> dict:
     return batch
 
 
+def to_device(batch: dict, device) -> dict:
+    """A collated batch with its tensors on `device`."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def uncollated(values: torch.Tensor, rows, episodes: list[Episode], prompt_width: int) -> list[list[float | None]]:
     """Per-target values of a collated batch ([B, T-1], e.g. log-probs) back on the tokens of the episodes in `rows`:
     one value per token, None for the first (no logits predict it)."""
@@ -131,4 +136,6 @@ def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:
     """A VLM's image placeholder token is never an action (a generated one would have no image behind it): the
     sampler and the trainer both take it out of the distribution, so their log-probs agree."""
     image_token = getattr(config, "image_token_id", None)
-    return logits if image_token is None else logits.index_fill(-1, torch.tensor(image_token), float("-inf"))
+    if image_token is None:
+        return logits
+    return logits.index_fill(-1, torch.tensor(image_token, device=logits.device), float("-inf"))

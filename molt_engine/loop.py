@@ -24,7 +24,7 @@ from .models import load_policy, routers
 from .rollout import EnvError, Rollout
 from .sampler import Sampler
 from .samples import record, training_samples
-from .update import batch_metrics, train_step
+from .update import batch_metrics, memory_metrics, train_step_fitting
 
 EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
 
@@ -101,6 +101,7 @@ class Training:
         self.counts = {"env_errors": 0, "stale_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}
+        self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
@@ -141,9 +142,14 @@ class Training:
             await self.warm_start()
             if self.reference is not None:
                 self.reference.load_state_dict(self.model.state_dict())
+        device, dtype = next(self.model.parameters()).device, self.cfg.model.dtype
+        name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+        self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype)
         self.published = _copy_weights(self.model)
-        self.sampler = Sampler(copy.deepcopy(self.model), self.eos_id, self.pad_id, self.cfg.loop.temperature,
-                               version=self.version)
+        # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device.
+        self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.eos_id,
+                               self.pad_id, self.cfg.loop.temperature, version=self.version,
+                               kv_budget_gb=self.cfg.loop.kv_budget_gb)
 
     async def warm_start(self):
         ws = self.cfg.warm_start
@@ -233,8 +239,13 @@ class Training:
             if batch is None:  # stop requested while waiting for rollouts
                 break
             groups, waited = batch
+            micro = self.micro_batch_size
             metrics, weights, samples = await asyncio.to_thread(self.update, groups)
             self.step += 1
+            if self.micro_batch_size != micro:
+                self.sink.event("oom", f"step {step}: out of memory in the update; retried with micro-batches of "
+                                f"{self.micro_batch_size} episodes, kept for the rest of the run", step=step,
+                                micro_batch_size=self.micro_batch_size)
             if weights is None:
                 weights = await self.on_trip(step, groups, metrics)
             version = self.version + (weights is not None)
@@ -267,10 +278,12 @@ class Training:
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
         """The update and the batch's metrics (in a worker thread). Returns them, the weights to publish and the
-        records of the batch's samples (record.samples_per_step groups)."""
-        metrics, weights, adv, trainer_logprobs = train_step(
+        records of the batch's samples (record.samples_per_step groups). The micro-batch size that fit is kept."""
+        (metrics, weights, adv, trainer_logprobs), self.micro_batch_size = train_step_fitting(
             self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
-            published=self.published, reference=self.reference, pad_id=self.pad_id)
+            published=self.published, reference=self.reference, pad_id=self.pad_id,
+            micro_batch_size=self.micro_batch_size)
+        metrics.update(memory_metrics(next(self.model.parameters()).device))
         samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
                                    self.version)
         return {**batch_metrics(groups, self.version), **metrics}, weights, samples

@@ -1,5 +1,6 @@
 """Policies: built-in presets (random init from transformers config classes) with an offline char tokenizer, or a local HF directory."""
 import math
+import os
 import string
 
 import torch
@@ -43,10 +44,23 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+def device_of(model_cfg) -> torch.device:
+    """The device `model.device` names; auto = the first visible GPU, else the CPU."""
+    name = model_cfg.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device is {name!r} but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return torch.device(name)
+
+
 def load_policy(model_cfg, seed: int):
-    """(model, processor) in fp32 train mode: a preset built from seed, or `model_cfg.path` loaded offline. The
+    """(model, processor) in fp32 train mode on `model.device`: a preset built from seed (on the CPU, so the same
+    seed gives the same weights on every device), or `model_cfg.path` loaded offline. The
     processor is the tokenizer itself for a text policy; a vision-language policy's processor wraps its tokenizer
     (`.tokenizer`) and also turns images into pixel values and image placeholder tokens."""
+    device = device_of(model_cfg)  # before the weights: a wrong device fails fast
     if model_cfg.path:
         vision = hasattr(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True), "vision_config")
         auto_model, auto_processor = (AutoModelForImageTextToText, AutoProcessor) if vision else (AutoModelForCausalLM, AutoTokenizer)
@@ -72,7 +86,7 @@ def load_policy(model_cfg, seed: int):
     for router in routers(model):
         router.replay = None
         router.register_forward_hook(_route)
-    return model.train(), processor
+    return model.to(device).train(), processor
 
 
 # ---- MoE routing: what each router chose, and replaying a recorded choice ---------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from .algo import masked_mean
 from .envs import make_env
-from .episode import Episode, collate, token_logprobs
+from .episode import Episode, collate, to_device, token_logprobs
 
 DEMO_SEEDS = 1 << 61        # warm-start prompts: far from training seeds ((run seed << 32) + cursor) and eval seeds
 
@@ -100,7 +100,8 @@ class Rollout:
             if stopping():
                 break
             seeds = range(DEMO_SEEDS + step * ws.batch_size, DEMO_SEEDS + (step + 1) * ws.batch_size)
-            batch = collate(await asyncio.gather(*(self.demonstration(s) for s in seeds)), pad_id)
+            batch = to_device(collate(await asyncio.gather(*(self.demonstration(s) for s in seeds)), pad_id),
+                              next(model.parameters()).device)
 
             def sft_step():
                 nll = -masked_mean(token_logprobs(model, batch, 1.0), batch["action_mask"])

@@ -28,9 +28,17 @@ class Request:
 
 
 class Sampler:
-    def __init__(self, model, eos_id: int, pad_id: int, temperature: float, version: int = 0):
+    def __init__(self, model, eos_id: int, pad_id: int, temperature: float, version: int = 0,
+                 kv_budget_gb: float | None = None):
         self.model = model.eval()
+        self.device = next(model.parameters()).device
         self.routers = routers(model)
+        text = model.config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        token_bytes = 2 * text.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
+        # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
+        self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
         self.eos_id, self.pad_id, self.temperature = eos_id, pad_id, temperature
         self.version = version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
@@ -85,7 +93,7 @@ class Sampler:
                 self.cache, mask, _, _, row = self._prefill(owners, [r.context + r.ids[:-1] for r in owners])
                 self.cache.batch_select_indices(row)
                 self.mask = mask[row]
-        joining, self.pending = self.pending, []
+        joining, self.pending = self._admit()
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
@@ -101,6 +109,19 @@ class Sampler:
         self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished
 
+    def _admit(self) -> tuple[list[Request], list[Request]]:
+        """The pending requests that join now and those that wait, in submission order: the cache is rows x the
+        longest row, so with every request counted at its longest (context + max_tokens) the joined ones never grow
+        it past the KV budget. One request always runs, so a request larger than the budget still finishes."""
+        if self.kv_tokens is None:
+            return self.pending, []
+        longest = max((len(r.context) + r.max_tokens for r in self.active), default=0)
+        for i, req in enumerate(self.pending):
+            longest = max(longest, len(req.context) + req.max_tokens)
+            if len(self.active) + i > 0 and (len(self.active) + i + 1) * longest > self.kv_tokens:
+                return self.pending[:i], self.pending[i:]
+        return self.pending, []
+
     def _last_routes(self, rows: int) -> list | None:
         """MoE: the experts each row's last position went through in the forward just run ([rows][layers][k])."""
         if not self.routers:
@@ -114,14 +135,14 @@ class Sampler:
         the requests sampling in it, so memory holds [requests, vocab] at most, whatever max_tokens is."""
         logp = torch.log_softmax(without_placeholder(logits.float() / self.temperature, self.model.config), dim=-1)
         entropy = torch.special.entr(logp.exp()).sum(-1)
-        rows = torch.tensor([req.row for req in reqs])
+        rows = torch.tensor([req.row for req in reqs], device=self.device)
         logp, entropy = logp[rows], entropy[rows]
-        gumbel = torch.zeros_like(logp)  # greedy requests take the argmax of logp itself
+        gumbel = torch.zeros(logp.shape)  # greedy requests take the argmax of logp itself; CPU generators draw it
         for i, req in enumerate(reqs):
             if not req.greedy:
                 uniform = torch.rand(logp.shape[-1], generator=req.generator).clamp(1e-20, 1.0)
                 gumbel[i] = -torch.log(-torch.log(uniform))
-        tokens = (logp + gumbel).argmax(-1)
+        tokens = (logp + gumbel.to(self.device)).argmax(-1)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
         for req, token, lp, h in zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist()):
             req.ids.append(token)
@@ -139,12 +160,13 @@ class Sampler:
         row-major order, the order of their placeholder tokens; decode steps need none."""
         images = [image for r in reqs for image in r.images]
         slot = {}  # distinct sequence -> its row in the forward; with images, every sequence is its own
-        row = torch.tensor([slot.setdefault((tuple(s), i if images else 0), len(slot)) for i, s in enumerate(seqs)])
+        row = torch.tensor([slot.setdefault((tuple(s), i if images else 0), len(slot)) for i, s in enumerate(seqs)],
+                           device=self.device)
         distinct = [list(key[0]) for key in slot]
         width = max(len(s) for s in distinct)
-        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in distinct])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in distinct])
-        pixels = {"pixel_values": torch.stack(images)} if images else {}
+        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in distinct], device=self.device)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in distinct], device=self.device)
+        pixels = {"pixel_values": torch.stack(images).to(self.device)} if images else {}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                          cache=DynamicCache(), use_cache=True, logits_to_keep=1, **pixels)
         return out.cache, mask, out.logits[:, -1], self._last_routes(len(distinct)), row
@@ -180,13 +202,13 @@ class Sampler:
         for req in keep:
             req.row = rows.setdefault((req.row, req.ids[-1]), len(rows))
         self.active = keep
-        self.last = torch.tensor([token for _, token in rows])
+        self.last = torch.tensor([token for _, token in rows], device=self.device)
         parent = [row for row, _ in rows]
         mask = self.mask[parent]
         start = int((mask.sum(0) > 0).nonzero()[0])
         if parent == list(range(len(self.mask))) and start == 0:
             return  # nothing diverged, finished or emptied: the cache stays as it is
-        index = torch.tensor(parent)
+        index = torch.tensor(parent, device=self.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys[index, :, start:]
             layer.values = layer.values[index, :, start:]

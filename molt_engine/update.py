@@ -1,26 +1,55 @@
 """One trainer step on a batch of groups (advantages, minibatched PPO/GSPO optimizer steps against the proximal policy,
 the breaker's verdict) and the batch's episode metrics."""
 import math
+import resource
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from . import drills
 from .algo import GROUP_ESTIMATORS, advantages, policy_loss
-from .episode import Episode, collate, token_logprobs, uncollated
+from .episode import Episode, collate, to_device, token_logprobs, uncollated
 from .models import routers, routing_stats
 
 
+def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, published: dict,
+                       micro_batch_size: int | None, **kwargs) -> tuple[tuple, int | None]:
+    """train_step, started over from `published` with micro-batches half the size (down to one episode) whenever it
+    runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit."""
+    first_try = True
+    while True:
+        try:
+            if first_try:
+                drills.out_of_memory(cfg.drills, step)
+            return train_step(model, optimizer, groups, cfg, step=step, published=published,
+                              micro_batch_size=micro_batch_size, **kwargs), micro_batch_size
+        except torch.OutOfMemoryError:
+            largest = micro_batch_size or sum(len(g) for g in groups)
+            if largest == 1:
+                raise
+            # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
+            optimizer.zero_grad(set_to_none=True)
+            model.load_state_dict(published)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            micro_batch_size, first_try = max(1, largest // 2), False
+
+
 def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, breaker, published: dict,
-               reference=None, pad_id: int) -> tuple[dict, dict | None, list[float], dict[int, list]]:
+               reference=None, pad_id: int, micro_batch_size: int | None = None
+               ) -> tuple[dict, dict | None, list[float], dict[int, list]]:
     """Update `model` on a batch (runs in a worker thread): `algo.epochs` passes over the batch, each split into
     `algo.minibatches` optimizer steps. The clip measures each step against the proximal policy, the weights at the
     start of this trainer step (`published`, as in decoupled PPO), and the IS weights correct from the behaviour
     policy to it. Returns the update's metrics and the weights to publish; None when the breaker refused a step:
     then `model` holds `published` again. Metrics average over the optimizer steps; `grad_norm` is their largest,
     the one the breaker judged. Also returns each episode's advantage and, for the episodes in the forward (by batch
-    index), their tokens' log-probs under the proximal policy: what the samples record as the trainer's."""
+    index), their tokens' log-probs under the proximal policy: what the samples record as the trainer's.
+    Each forward/backward takes `micro_batch_size` episodes (None = a whole minibatch), gradients accumulating over
+    the minibatch; forwards run under autocast in `model.dtype` while weights, gradients and AdamW stay fp32."""
     algo, episodes = cfg.algo, [e for g in groups for e in g]
+    device = next(model.parameters()).device
     if algo.estimator in GROUP_ESTIMATORS:
         adv = torch.cat([advantages(torch.tensor([[e.reward for e in g]]), algo.estimator)[0] for g in groups])
     else:  # batch-level baseline: the whole batch is one "group"
@@ -28,36 +57,44 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
     # Whole groups per minibatch (a group's prompt then runs once), in prompt order, the same in every epoch.
     bounds = [round(i * len(groups) / algo.minibatches) for i in range(algo.minibatches + 1)]
     starts = [sum(len(g) for g in groups[:b]) for b in bounds]
-    parts = [_Minibatch(episodes, adv, range(a, b), algo.kl_coef, pad_id) for a, b in zip(starts, starts[1:])]
-    with torch.no_grad():  # the proximal log-probs of minibatches after the first: before any optimizer step
-        for part in parts[1:]:
-            part.prox = _logprobs(model, part.batch, cfg, stats=False)[0]
+    parts = [_Minibatch(episodes, adv, range(a, b), algo.kl_coef, pad_id, micro_batch_size, device)
+             for a, b in zip(starts, starts[1:])]
+    with torch.no_grad(), _autocast(cfg, device):  # the proximal log-probs of minibatches after the first
+        for part in parts[1:]:                     # before any optimizer step
+            part.prox = [_logprobs(model, batch, cfg, stats=False)[0] for batch in part.batches]
     threshold = breaker.threshold()
     coef = algo.router_aux_coef if algo.router_aux_coef is not None else getattr(model.config, "router_aux_loss_coef", 0.0)
     norms, runs = [], []
     for part in [p for _ in range(algo.epochs) for p in parts]:
-        logp, aux, moe_metrics = _logprobs(model, part.batch, cfg, stats=True)
-        if part.prox is None:  # the first minibatch of the first epoch: the model is still the proximal policy
-            part.prox = logp.detach()
-        ref_logp = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_logp = token_logprobs(reference, part.batch, cfg.loop.temperature)
-        mask = part.batch["action_mask"]
-        loss, stats = policy_loss(
-            logp, part.prox, part.batch["behav_logp"], part.adv, mask,
-            loss=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, is_level=algo.is_level,
-            is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, kl_coef=algo.kl_coef, ref_logp=ref_logp,
-            kl_estimator=algo.kl_estimator)
-        loss = loss * (int(mask.sum()) / max(part.action_tokens, 1))  # the token mean over the whole minibatch
-        if not norms:
-            loss = drills.poison_loss(cfg.drills, step, loss)
         optimizer.zero_grad(set_to_none=True)
-        (loss + coef * aux).backward()
-        if not norms:
+        first, run = not norms, {}
+        for k, batch in enumerate(part.batches):  # micro-batches: their gradients add up to the minibatch's
+            with _autocast(cfg, device):
+                logp, aux, moe_metrics = _logprobs(model, batch, cfg, stats=True)
+                ref_logp = None
+                if reference is not None:
+                    with torch.no_grad():
+                        ref_logp = token_logprobs(reference, batch, cfg.loop.temperature)
+            if part.prox[k] is None:  # the first minibatch of the first epoch: the model is still the proximal policy
+                part.prox[k] = logp.detach()
+            mask = batch["action_mask"]
+            loss, stats = policy_loss(
+                logp, part.prox[k], batch["behav_logp"], part.advs[k], mask,
+                loss=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, is_level=algo.is_level,
+                is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, kl_coef=algo.kl_coef,
+                ref_logp=ref_logp, kl_estimator=algo.kl_estimator)
+            loss = loss * (int(mask.sum()) / max(part.action_tokens, 1))  # the token mean over the whole minibatch
+            if first and k == 0:
+                loss = drills.poison_loss(cfg.drills, step, loss)
+            (loss + coef * aux / len(part.batches)).backward()
+            weight = int(mask.sum()) / max(part.kept_tokens, 1)  # metrics: token means over the minibatch
+            for key, value in {**stats, **moe_metrics}.items():
+                run[key] = run.get(key, 0.0) + weight * value
+            run["policy_loss"] = run.get("policy_loss", 0.0) + loss.item()
+        if first:
             drills.spike_gradient(cfg.drills, step, model)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)))
-        runs.append({"policy_loss": loss.item(), **stats, **moe_metrics})
+        runs.append(run)
         if breaker.refuses(norms[-1]):
             break
         if norms[-1] > 0:  # no signal (all advantages 0): Adam's momentum alone would still move the weights
@@ -77,8 +114,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
                    trained_fraction=sum(p.trained for p in parts) / len(episodes))
     if math.isfinite(threshold):
         metrics["breaker_threshold"] = threshold
-    trainer_logprobs = {i: row for p in parts for i, row in zip(p.keep, uncollated(
-        p.prox, range(len(p.keep)), [episodes[i] for i in p.keep], p.batch["prompt_width"]))}
+    trainer_logprobs = {i: row for p in parts for keep, prox, batch in zip(p.keeps, p.prox, p.batches)
+                        for i, row in zip(keep, uncollated(prox, range(len(keep)), [episodes[i] for i in keep],
+                                                           batch["prompt_width"]))}
     return metrics, weights, adv.tolist(), trainer_logprobs
 
 
@@ -86,16 +124,25 @@ class _Minibatch:
     """A slice of the batch's episodes, collated once for all epochs. Episodes with advantage 0 add exactly 0 to the
     policy gradient: they stay out of the forward and backward (the bulk of a step once most groups are solved),
     while the token mean still counts their tokens. The KL term is nonzero everywhere, so with it on, every episode
-    is trained."""
+    is trained. The episodes kept go in micro-batches of `micro` (None = one), each collated onto `device`."""
 
-    def __init__(self, episodes: list[Episode], adv: torch.Tensor, span: range, kl_coef: float, pad_id: int):
+    def __init__(self, episodes: list[Episode], adv: torch.Tensor, span: range, kl_coef: float, pad_id: int,
+                 micro: int | None, device):
         keep = [i for i in span if adv[i] != 0 or kl_coef > 0] or list(span)
-        self.keep = keep
-        self.batch = collate([episodes[i] for i in keep], pad_id)
-        self.adv = adv[keep]
+        size = micro or len(keep)
+        self.keeps = [keep[i:i + size] for i in range(0, len(keep), size)]
+        self.batches = [to_device(collate([episodes[i] for i in k], pad_id), device) for k in self.keeps]
+        self.advs = [adv[k].to(device) for k in self.keeps]
         self.action_tokens = sum(episodes[i].n_actions for i in span)
+        self.kept_tokens = sum(int(b["action_mask"].sum()) for b in self.batches)
         self.trained = len(keep)
-        self.prox: torch.Tensor | None = None
+        self.prox: list[torch.Tensor | None] = [None] * len(self.keeps)
+
+
+def _autocast(cfg, device):
+    """Mixed precision as PyTorch users expect it: fp32 weights and optimizer, forwards in `model.dtype`."""
+    dtype = getattr(torch, cfg.model.dtype)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def _logprobs(model, batch: dict, cfg, stats: bool) -> tuple[torch.Tensor, torch.Tensor | float, dict]:
@@ -115,6 +162,16 @@ def _logprobs(model, batch: dict, cfg, stats: bool) -> tuple[torch.Tensor, torch
         for router in moe:  # the logits hold the autograd graph: a model holding them can't be deep-copied
             router.replay = router.logits = None
     return logp, aux, moe_metrics
+
+
+def memory_metrics(device: torch.device) -> dict:
+    """The process's resident memory and, on a GPU, what torch holds there now and at most since the last step."""
+    values = {"rss_gb": int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 1e9}
+    if device.type == "cuda":
+        values.update(gpu_mem_allocated_gb=torch.cuda.memory_allocated(device) / 1e9,
+                      gpu_mem_peak_gb=torch.cuda.max_memory_allocated(device) / 1e9)
+        torch.cuda.reset_peak_memory_stats(device)
+    return values
 
 
 def batch_metrics(groups: list[list[Episode]], version: int) -> dict:

@@ -13,12 +13,14 @@ from fastapi.routing import APIRoute
 from starlette.routing import WebSocketRoute
 
 from app.auth import SESSION_COOKIE, load_or_create_token
+from app.pages import machine_gpus
 from app.series import bucket_extremes
 from app_support import FAST, hook, web_thread  # noqa: F401 (hook is a fixture)
 from conftest import wait_until
 from daemon.records import Records
-from daemon.models import Attempt
+from daemon.models import Attempt, Run
 from daemon.sink import DbSink
+from sqlalchemy import update
 from sqlmodel import Session
 
 TOKEN = "test-token-1234"
@@ -458,3 +460,16 @@ def test_pages_load_nothing_from_other_hosts(web):
         assert external == [], (path, external)
         for asset in re.findall(r"""(?:src|href)\s*=\s*["'](/static/[^"']+)""", html):
             assert browser.get(asset).status_code == 200, asset
+
+
+def test_the_runs_list_and_run_page_show_a_runs_gpus_and_no_machine_panel_without_nvml(web):
+    run = new_run(web, name="on-gpus")
+    with Session(web["api"].engine) as s:  # what the daemon records as it starts the worker
+        s.execute(update(Run).where(Run.id == run["id"]).values(gpus="0,1"))
+        s.commit()
+    browser, _ = logged_in(web)
+    rows = browser.get("/partials/runs").text
+    row = rows.split(f'data-run-id="{run["id"]}"')[1].split("</tr>")[0]
+    assert "<td>0,1</td>" in row
+    assert '<b id="run-gpus">0,1</b>' in browser.get(f"/runs/{run['id']}").text
+    assert ('class="machine"' in browser.get("/").text) == bool(machine_gpus())

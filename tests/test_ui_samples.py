@@ -10,8 +10,8 @@ from playwright.sync_api import expect
 
 from app_support import serve, web_thread
 from conftest import screenshot
-from daemon.records import Records
 from daemon.db import set_run
+from daemon.records import Records
 from daemon.sink import DbSink
 from molt_engine import Env, Observation, Result, train
 from molt_engine.envs import ENVS, register

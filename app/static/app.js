@@ -18,6 +18,8 @@ const Molt = (() => {
     {id: "length", title: "Response length", lines: [{name: "response_length"}]},
     {id: "router", title: "MoE router: balance entropy, aux loss, routing mismatch",
      lines: [{name: "moe_balance_entropy"}, {name: "moe_aux_loss", scale: "y2"}, {name: "routing_mismatch"}]},
+    {id: "memory", title: "Memory (GB): GPU allocated, GPU peak since the last step, process RSS",
+     lines: [{name: "gpu_mem_allocated_gb"}, {name: "gpu_mem_peak_gb"}, {name: "rss_gb"}]},
   ];
   const COMPARE_METRICS = ["reward_mean", "eval_reward", "policy_loss", "grad_norm", "entropy", "response_length",
                            "staleness_mean", "mismatch_kl", "is_filter_ratio", "samples_per_s"];

@@ -1,0 +1,145 @@
+"""Devices, precision and memory on a CPU: bf16, the OOM split, micro-batches, the KV budget, the daemon's GPU queue."""
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import wait_until
+from molt_engine import RunConfig, train
+from molt_engine.config import ValidationError, config_errors
+from molt_engine.models import char_tokenizer, load_policy
+from molt_engine.sampler import Sampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_daemon_supervisor import START, Studio, config as daemon_config  # noqa: E402
+from test_robustness import Recorder, config  # noqa: E402
+
+
+def test_device_and_dtype_are_validated_and_a_missing_gpu_is_named():
+    with pytest.raises(ValidationError) as e:
+        RunConfig.model_validate(config(model={"device": "gpu", "dtype": "fp8"}))
+    errors = config_errors(e.value)
+    assert any(x.startswith("model.device:") for x in errors) and any(x.startswith("model.dtype:") for x in errors)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="model.device is 'cuda:1' but torch sees no CUDA device"):
+            train(config(model={"device": "cuda:1"}, loop={"steps": 1}))
+
+
+def test_bf16_shows_its_precision_gap_and_its_checkpoint_resumes_in_fp32_and_loads_with_transformers(tmp_path):
+    fp32 = Recorder()
+    train(config(loop={"steps": 2}), fp32)
+    bf16 = Recorder()
+    summary = train(config(model={"dtype": "bfloat16"}, loop={"steps": 4}, checkpoint={"every": 2}), bf16, tmp_path)
+    assert summary["status"] == "completed"
+    assert [e["message"] for e in bf16.events if e["kind"] == "device"] == ["training on cpu in bfloat16"]
+    # The sampler decodes in bf16, the trainer recomputes under bf16 autocast from fp32 weights: the gap shows.
+    assert all(fp32.steps[s]["mismatch_abs"] < 1e-5 for s in fp32.steps)
+    assert all(bf16.steps[s]["mismatch_abs"] > 1e-4 for s in bf16.steps)
+    assert all(bf16.steps[s]["rss_gb"] > 0.05 for s in bf16.steps)
+
+    resumed = Recorder()
+    summary = train(config(model={"dtype": "float32"}, loop={"steps": 6}, checkpoint={"every": 2}), resumed,
+                    tmp_path, resume=True)
+    assert summary["status"] == "completed" and sorted(resumed.steps) == [4, 5]
+    assert [e["step"] for e in resumed.events if e["kind"] == "resumed"] == [4]
+    assert all(resumed.steps[s]["mismatch_abs"] < 1e-5 for s in resumed.steps)  # fp32 again: no gap
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert all(p.dtype == torch.float32 for p in final.parameters())
+    model, tok = load_policy(RunConfig.model_validate(config()).model, 0)
+    ids = torch.tensor([tok.encode("max of 3 9 4:")])
+    model.load_state_dict(final.state_dict())
+    assert torch.equal(final(ids).logits, model(ids).logits)
+
+
+def test_micro_batches_accumulate_the_same_update_and_an_oom_splits_the_step(tmp_path):
+    whole, micro, oom = Recorder(), Recorder(), Recorder()
+    train(config(loop={"steps": 2}), whole, tmp_path / "whole")
+    train(config(loop={"steps": 2}, algo={"micro_batch_size": 3}), micro, tmp_path / "micro")
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "micro" / "final").state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    assert abs(whole.steps[1]["policy_loss"] - micro.steps[1]["policy_loss"]) < 1e-6
+
+    summary = train(config(loop={"steps": 3}, drills={"oom_at": [1]}), oom)
+    assert summary["status"] == "completed" and sorted(oom.steps) == [0, 1, 2]
+    events = [e for e in oom.events if e["kind"] == "oom"]
+    assert [(e["step"], e["micro_batch_size"]) for e in events] == [(1, 8)], events  # 16 episodes, halved
+
+
+def test_kv_budget_queues_requests_beyond_it_and_all_finish():
+    tok = char_tokenizer()
+    model, _ = load_policy(RunConfig.model_validate(config()).model, 0)
+    text = model.config
+    token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
+    context, new = tok.encode("max of 3 9 4:"), 6
+    budget = 3 * (len(context) + new) * token_bytes / 1e9  # three requests' worth
+    sampler = Sampler(model, eos_id=-1, pad_id=tok.pad_token_id, temperature=1.0, kv_budget_gb=budget)
+    seen, real_step = [], sampler.step
+
+    def step():
+        finished = real_step()
+        if sampler.cache is not None:
+            cache_bytes = sum(t.numel() * t.element_size() for layer in sampler.cache.layers
+                              for t in (layer.keys, layer.values))
+            seen.append((len(sampler.active), len(sampler.pending), cache_bytes))
+        return finished
+    sampler.step = step
+
+    async def main():
+        task = asyncio.create_task(sampler.run())
+        done = await asyncio.gather(*(sampler.generate(context, new, seed=i) for i in range(10)))
+        task.cancel()
+        return done
+
+    done = asyncio.run(main())
+    assert [len(r.ids) for r in done] == [new] * 10
+    assert max(active for active, _, _ in seen) == 3
+    assert max(pending for _, pending, _ in seen) == 7  # queued, not dropped
+    assert max(cache for _, _, cache in seen) <= budget * 1e9
+
+
+def test_daemon_gives_each_worker_its_own_gpu_and_queues_runs_until_one_frees(tmp_path):
+    studio = Studio(tmp_path)
+    try:
+        api = studio.api
+        gpu = {"gpus": 1}
+        runs = [api.create_run(daemon_config(steps, resources=gpu), name=f"gpu-{i}")["id"]
+                for i, steps in enumerate((12, 12, 6))]
+        greedy = api.create_run(daemon_config(6, resources={"gpus": 3}), name="three-gpus")["id"]
+        studio.start_daemon("--concurrency", "3", "--gpus", "0,1")
+        visible = {}  # run id -> the CUDA_VISIBLE_DEVICES its worker process was started with
+
+        def all_done():
+            for pid, run_id in studio.workers().items():
+                try:
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                visible.setdefault(run_id, {e.split(b"=", 1)[1].decode() for e in env
+                                            if e.startswith(b"CUDA_VISIBLE_DEVICES=")})
+            return all(api.get_run(r)["status"] in ("completed", "failed") for r in runs)
+        wait_until(all_done, START + 240, 0.05, message="the three runs to end")
+
+        finals = [api.get_run(r) for r in runs]
+        assert [f["status"] for f in finals] == ["completed"] * 3, [f["last_error"] for f in finals]
+        assert studio.max_total == 2, "two GPUs: never three workers at once"
+        assert {r: visible[r] for r in runs} == {r: {f["gpus"]} for r, f in zip(runs, finals)}
+        assert {finals[0]["gpus"], finals[1]["gpus"]} == {"0", "1"}
+        attempt = lambda r: api.attempts(r)[0]  # noqa: E731
+        # The third started only after one of the first two had ended, on the GPU that one freed.
+        first_end = min(attempt(runs[0])["ended_at"], attempt(runs[1])["ended_at"])
+        freed = finals[0]["gpus"] if attempt(runs[0])["ended_at"] == first_end else finals[1]["gpus"]
+        assert attempt(runs[2])["started_at"] >= first_end and finals[2]["gpus"] == freed
+        refused = api.get_run(greedy)
+        assert refused["status"] == "failed" and "resources.gpus is 3 but this daemon has 2 GPU(s)" in \
+            refused["last_error"] and api.attempts(greedy) == []
+        # Each worker saw a GPU id but no CUDA (this machine has none): model.device auto fell back to the CPU.
+        devices = [e["message"] for r in runs for e in api.events(r) if e["kind"] == "device"]
+        assert devices == ["training on cpu in float32"] * 3 or torch.cuda.is_available()
+    finally:
+        studio.close()
