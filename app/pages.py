@@ -142,6 +142,12 @@ def form_values(config: dict) -> tuple[dict, dict]:
     from molt_engine import RunConfig
     rest_config = json.loads(json.dumps(config))
     values = {"env": rest_config.pop("env", ""), "preset": "", "path": ""}
+    env_args = rest_config.get("env_args", {})
+    if values["env"] == "dataset":
+        for field in DATASET_FIELDS:
+            values[f"dataset_{field}"] = str(env_args.pop(field, "") or "")
+        if not env_args:
+            rest_config.pop("env_args", None)
     model = rest_config.pop("model", {}) or {}
     values["preset"], values["path"] = model.get("preset") or "", model.get("path") or ""
     for name, path, _, _ in FORM_FIELDS:
@@ -150,7 +156,7 @@ def form_values(config: dict) -> tuple[dict, dict]:
             node = node.get(key, {})
         if path[-1] in node:
             values[name] = node.pop(path[-1])
-    defaults = RunConfig(env=values["env"] or "max_digit").model_dump(mode="json")
+    defaults = RunConfig(env="max_digit").model_dump(mode="json")  # the same for every env; some need env_args
     return values, non_default(rest_config, defaults)
 
 
@@ -168,8 +174,8 @@ def non_default(config: dict, defaults: dict) -> dict:
 def launch_context(values: dict, advanced: str, errors: dict | None = None, name: str = "", tags: str = "",
                    max_restarts: str = "") -> dict:
     from molt_engine import ENVS, RunConfig
+    from molt_engine.config import PRESETS  # the names only: no torch in the web process
     from molt_engine.envs import load_user_envs
-    from molt_engine.models import PRESETS
     load_user_envs()  # the user's env directories (--envs): a file added or fixed since start is offered now
     defaults = RunConfig(env="max_digit").model_dump(mode="json")
     placeholders = {}
@@ -179,6 +185,7 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
             node = node.get(key) if isinstance(node, dict) else None
         placeholders[field] = "" if node is None else node
     return {"values": values, "advanced": advanced, "errors": errors or {}, "envs": sorted(ENVS),
+            "chat_envs": {name: [tool.__name__ for tool in cls.tools] for name, cls in ENVS.items() if cls.chat},
             "presets": sorted(PRESETS), "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
             "tags": tags, "max_restarts": max_restarts}
 
@@ -203,11 +210,14 @@ async def launch_page(request: Request, clone: int | None = None):
 async def launch(request: Request):
     form = await request.form()
     check_csrf(request, form.get(CSRF_FIELD))
-    values = {k: str(form.get(k, "")).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]}
+    values = {k: str(form.get(k, "")).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]
+              + [f"dataset_{f}" for f in DATASET_FIELDS]}
     advanced, name = str(form.get("advanced", "")), str(form.get("name", "")).strip()
     tags, max_restarts = str(form.get("tags", "")), str(form.get("max_restarts", "")).strip()
     errors: dict[str, list[str]] = {}
     config: dict = {"env": values["env"]}
+    if values["env"] == "dataset":  # the dataset env's own inputs; other envs take env_args in the advanced JSON
+        config["env_args"] = {f: values[f"dataset_{f}"] for f in DATASET_FIELDS if values[f"dataset_{f}"]}
     if values["path"]:
         config["model"] = {"preset": None, "path": values["path"]}
     elif values["preset"]:
@@ -257,6 +267,9 @@ async def launch(request: Request):
         # 200 so that htmx swaps the form with its inline errors in (it ignores 4xx bodies by default)
         return render(request, "_launch_form.html", **context)
     return render(request, "launch.html", status_code=422, **context)
+
+
+DATASET_FIELDS = ("path", "eval_path", "reward")  # env_args of the dataset env that the launch form asks for
 
 
 def form_field(loc: tuple) -> str:

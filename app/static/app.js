@@ -16,6 +16,11 @@ const Molt = (() => {
     {id: "throughput", title: "Throughput", lines: [{name: "samples_per_s"}, {name: "tokens_per_s", scale: "y2"}]},
     {id: "entropy", title: "Entropy", lines: [{name: "entropy"}]},
     {id: "length", title: "Response length", lines: [{name: "response_length"}]},
+    {id: "tools", title: "Chat: tool calls per episode; tool errors and template prefix breaks per step",
+     lines: [{name: "tool_call_rate"}, {name: "tool_errors", scale: "y2"}, {name: "template_prefix_breaks", scale: "y2"}]},
+    {id: "accuracy", title: "Accuracy: strict (#### N) and flexible (last number), sampled and eval",
+     lines: [{name: "accuracy_strict"}, {name: "accuracy_flexible"}, {name: "eval_accuracy_strict"},
+             {name: "eval_accuracy_flexible"}]},
     {id: "router", title: "MoE router: balance entropy, aux loss, routing mismatch",
      lines: [{name: "moe_balance_entropy"}, {name: "moe_aux_loss", scale: "y2"}, {name: "routing_mismatch"}]},
   ];
