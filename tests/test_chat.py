@@ -21,7 +21,7 @@ SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 
 
 class ThreeCalls(Env):
-    """Three calculator calls (the same expression each time), then the answer: three tool turns and a fourth."""
+    """Three calculator calls, then the answer: three tool turns and a fourth."""
     name = "test_three_calls"
     chat = True
     tools = (calculator,)
@@ -36,8 +36,8 @@ class ThreeCalls(Env):
         return Result(reward=float(action.strip() == str(self.a * self.b)), terminated=True)
 
     def demonstration(self, seed):
-        call = {"type": "function", "function": {"name": "calculator",
-                                                 "arguments": {"expression": f"{10 + seed % 50}*{2 + seed % 7}"}}}
+        # Always the same call: a warm start of seconds teaches it, so that sampled episodes really make three.
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}
         return [{"role": "assistant", "content": "", "tool_calls": [call]}] * 3 + [
             {"role": "assistant", "content": str((10 + seed % 50) * (2 + seed % 7))}]
 
@@ -89,8 +89,10 @@ def test_tool_turns_train_exactly_the_sampled_tokens(tmp_path, capture, template
             messages = asyncio.run(ThreeCalls().reset(ep.seed)).messages
             assert tok.decode(ep.token_ids[:first]) == tok.apply_chat_template(
                 messages, tools=[calculator], add_generation_prompt=True, tokenize=False)
-            breaks = ep.info["template_prefix_breaks"]
-            assert breaks == (ep.info["tool_calls"] if template == "forgetful" else 0)
+            # The forgetful template re-renders every reply with a well-formed call: each one's delta is a break.
+            well_formed = sum(any("error" not in c for c in hermes(tok.decode(ep.token_ids[a:b - 1]))[1])
+                              for a, b in action_runs(ep))
+            assert ep.info["template_prefix_breaks"] == (well_formed if template == "forgetful" else 0)
             three_calls += ep.info["tool_calls"] == 3
     assert three_calls > 0  # the warm start taught the three calls: the multi-turn case really ran
     assert len(capture["losses"]) == 2
