@@ -91,7 +91,8 @@ class Rollout:
             if ids is None:
                 break
             ended = ids[-1] in self.stops
-            content, calls = self.parse(self.tokenizer.decode(ids[:-1] if ended else ids))
+            text = self.tokenizer.decode(ids[:-1] if ended else ids)
+            content, calls = self.parse(text) if self.tools else (text.strip(), [])  # no tools: all of it is content
             reply = {"role": "assistant", "content": content}
             if valid := [{"type": "function", "function": c} for c in calls if "error" not in c]:
                 reply["tool_calls"] = valid
