@@ -23,7 +23,7 @@ from molt_engine.data import word_problems
 RECIPES = {
     "calculator": {"env": "chat_calculator", "model": {"preset": "tiny-chat"},
                    "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0},
-                   "warm_start": {"steps": 250, "lr": 2e-3}},
+                   "warm_start": {"steps": 200, "lr": 1e-3}},
     "dataset": {"env": "dataset", "model": {"preset": "tiny-chat"},
                 "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0, "eval_episodes": 100},
                 "env_args": {"reward": "gsm8k", "max_tokens": 24}, "warm_start": {"steps": 200, "lr": 1e-3}},

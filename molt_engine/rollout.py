@@ -101,7 +101,7 @@ class Rollout:
                 info["tool_calls"] += 1
                 results = await run_tools(self.tools, calls, env.tool_timeout)
                 info["tool_errors"] += sum(error for _, _, error in results)
-                new = [{"role": "tool", "name": name, "content": text} for name, text, _ in results]
+                new = [{"role": "tool", "name": name, "content": out} for name, out, _ in results]
             else:
                 result = await _env_call(env.step(content))
                 if self.scored(ep, result):
