@@ -26,7 +26,9 @@ RECIPES = {
                    "warm_start": {"steps": 200, "lr": 1e-3}},
     "dataset": {"env": "dataset", "model": {"preset": "tiny-chat"},
                 "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0, "eval_episodes": 100},
-                "env_args": {"reward": "gsm8k", "max_tokens": 24}, "warm_start": {"steps": 200, "lr": 1e-3}},
+                "env_args": {"reward": "gsm8k", "max_tokens": 24}, "warm_start": {"steps": 200, "lr": 1e-3},
+                # Without the KL to the warm-started policy, RL at the default lr lowers the accuracy (0.22 -> 0.06).
+                "algo": {"lr": 1e-4, "kl_coef": 0.1}},
 }
 WATCH = ("reward_mean", "tool_call_rate", "tool_errors", "accuracy_strict", "accuracy_flexible")
 
@@ -76,7 +78,7 @@ def main():
         for seed in args.seeds:
             print(f"{args.recipe} seed {seed}", flush=True)
             sink = Progress(target, threshold)
-            run = {**config, "seed": seed, "algo": args.algo, "loop": {**config["loop"], "steps": args.steps, "eval_every": 20},
+            run = {**config, "seed": seed, "algo": {**config.get("algo", {}), **args.algo}, "loop": {**config["loop"], "steps": args.steps, "eval_every": 20},
                    "checkpoint": {"every": 0}}
             summary = train_for(run, sink, args.minutes * 60)
             first = sink.rows[0]
