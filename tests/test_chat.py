@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from molt_engine import Env, Observation, Result, train
 from molt_engine.chat import Template, hermes, run_tools, stop_ids
@@ -147,6 +147,8 @@ def test_tiny_chat_tokenizer_is_the_same_in_every_process():
     text = "Ünïcode and émoji 🙂 encode as bytes"
     assert tok.decode(tok(text)["input_ids"]) == text
     assert [tok.convert_ids_to_tokens(i) for i in stop_ids(tok)] == ["<|im_end|>"]
+    # A generation config's list of eos ids (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>) ends turns too.
+    assert stop_ids(tok, GenerationConfig(eos_token_id=[2, 0])) == [0, 2]
 
 
 def test_hermes_parser():
