@@ -67,6 +67,7 @@ def main():
     parser.add_argument("--minutes", type=float, default=15.0, help="RL time per seed")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--algo", type=json.loads, default={}, help='overrides of the algo section, e.g. \'{"kl_coef": 0.1}\'')
+    parser.add_argument("--warm-start", type=json.loads, default={}, help='overrides of the warm_start section')
     args = parser.parse_args()
     config = json.loads(json.dumps(RECIPES[args.recipe]))
     target, threshold = ("reward_mean", 0.8) if args.recipe == "calculator" else ("accuracy_strict", 0.3)
@@ -78,7 +79,8 @@ def main():
         for seed in args.seeds:
             print(f"{args.recipe} seed {seed}", flush=True)
             sink = Progress(target, threshold)
-            run = {**config, "seed": seed, "algo": {**config.get("algo", {}), **args.algo}, "loop": {**config["loop"], "steps": args.steps, "eval_every": 20},
+            run = {**config, "seed": seed, "algo": {**config.get("algo", {}), **args.algo},
+                   "warm_start": {**config["warm_start"], **args.warm_start}, "loop": {**config["loop"], "steps": args.steps, "eval_every": 20},
                    "checkpoint": {"every": 0}}
             summary = train_for(run, sink, args.minutes * 60)
             first = sink.rows[0]
