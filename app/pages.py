@@ -37,9 +37,11 @@ FORM_FIELDS = [
     ("seed", ("seed",), int, "seed"),
 ]
 RUNS_PER_PAGE = 100
+DATASET_FIELDS = ("path", "eval_path", "reward")  # env_args of the dataset env that the launch form asks for
 # What the launch form posts, all as the text typed: the handler converts it, so a bad number is an inline error
 LaunchForm = create_model("LaunchForm", **{field: (str, "") for field in [
-    "env", "preset", "path", "name", "tags", "max_restarts", "advanced", CSRF_FIELD, *(f[0] for f in FORM_FIELDS)]})
+    "env", "preset", "path", "name", "tags", "max_restarts", "advanced", CSRF_FIELD, *(f[0] for f in FORM_FIELDS),
+    *(f"dataset_{f}" for f in DATASET_FIELDS)]})
 
 
 class LoginRequired(Exception):
@@ -176,6 +178,12 @@ def form_values(config: dict) -> tuple[dict, dict]:
     """Split a config into the form's fields and the rest (shown as advanced JSON, non-defaults only)."""
     rest_config = json.loads(json.dumps(config))
     values = {"env": rest_config.pop("env", ""), "preset": "", "path": ""}
+    env_args = rest_config.get("env_args", {})
+    if values["env"] == "dataset":
+        for field in DATASET_FIELDS:
+            values[f"dataset_{field}"] = str(env_args.pop(field, "") or "")
+        if not env_args:
+            rest_config.pop("env_args", None)
     model = rest_config.pop("model", {}) or {}
     values["preset"], values["path"] = model.get("preset") or "", model.get("path") or ""
     for name, path, _, _ in FORM_FIELDS:
@@ -184,7 +192,7 @@ def form_values(config: dict) -> tuple[dict, dict]:
             node = node.get(key, {})
         if path[-1] in node:
             values[name] = node.pop(path[-1])
-    defaults = RunConfig(env=values["env"] or "max_digit").model_dump(mode="json")
+    defaults = RunConfig(env="max_digit").model_dump(mode="json")  # the same for every env; some need env_args
     return values, non_default(rest_config, defaults)
 
 
@@ -210,6 +218,7 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
             node = node.get(key) if isinstance(node, dict) else None
         placeholders[field] = "" if node is None else node
     return {"values": values, "advanced": advanced, "errors": errors or {}, "envs": sorted(ENVS),
+            "chat_envs": {name: [tool.__name__ for tool in cls.tools] for name, cls in ENVS.items() if cls.chat},
             "presets": PRESETS, "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
             "tags": tags, "max_restarts": max_restarts}
 
@@ -233,10 +242,13 @@ def launch_page(request: Request, clone: int | None = None):
 @guarded
 def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     check_csrf(request, getattr(form, CSRF_FIELD))
-    values = {k: getattr(form, k).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]}
+    values = {k: getattr(form, k).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]
+              + [f"dataset_{f}" for f in DATASET_FIELDS]}
     advanced, name, tags, max_restarts = form.advanced, form.name.strip(), form.tags, form.max_restarts.strip()
     errors: dict[str, list[str]] = {}
     config: dict = {"env": values["env"]}
+    if values["env"] == "dataset":  # the dataset env's own inputs; other envs take env_args in the advanced JSON
+        config["env_args"] = {f: values[f"dataset_{f}"] for f in DATASET_FIELDS if values[f"dataset_{f}"]}
     if values["path"]:
         config["model"] = {"preset": None, "path": values["path"]}
     elif values["preset"]:

@@ -46,6 +46,8 @@ class EnvInfo(Out):
     max_turns: int
     max_tokens: int
     source: str | None = Field(description="the file of a user's env (from --envs); null for a built-in one")
+    chat: bool = Field(False, description="speaks chat messages through the policy's chat template (needs one)")
+    tools: list[str] = Field(default_factory=list, description="the tools a chat env's policy calls natively")
 
 
 class RunOut(Out):
@@ -220,7 +222,8 @@ def envs():
     """The environments a config may name: the built-in ones and those of the user's env directories (--envs)."""
     load_user_envs()  # a file added or fixed since the server started is listed now
     return [{"name": name, "description": ((cls.__doc__ or "").strip().splitlines() or [""])[0],
-             "max_turns": cls.max_turns, "max_tokens": cls.max_tokens,
+             "max_turns": cls.max_turns, "max_tokens": cls.max_tokens, "chat": cls.chat,
+             "tools": [tool.__name__ for tool in cls.tools],
              "source": None if cls.__module__.startswith("molt_engine.") else inspect.getsourcefile(cls)}
             for name, cls in sorted(ENVS.items())]
 

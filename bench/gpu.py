@@ -82,7 +82,7 @@ def throughput(args):
     print(f"GPU: {torch.cuda.get_device_name()}; Qwen2 config, {params:.2f}B parameters, random init, {args.dtype[0]}; "
           f"batch {args.batch}, prompt {args.prompt_len}, {new} new tokens (no early EOS)")
     sampler_model = copy.deepcopy(model).to(dtype)
-    sampler = Sampler(sampler_model, eos_id=-1, pad_id=tok.pad_token_id, temperature=1.0)
+    sampler = Sampler(sampler_model, stop_ids=[], pad_id=tok.pad_token_id, temperature=1.0)
 
     async def sample():
         task = asyncio.create_task(sampler.run())

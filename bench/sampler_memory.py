@@ -23,7 +23,7 @@ def measure(vocab: int, requests: int, max_tokens: int) -> dict:
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_tokens + 64,
                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    sampler = Sampler(LlamaForCausalLM(config), eos_id=1, pad_id=0, temperature=1.0)
+    sampler = Sampler(LlamaForCausalLM(config), stop_ids=[1], pad_id=0, temperature=1.0)
     contexts = torch.randint(2, vocab, (requests, 8)).tolist()
     # One warm-up request, so that allocator pools and one-time buffers are in the baseline.
     sampler.pending.append(Request(contexts[0], 2, False, torch.Generator().manual_seed(0)))

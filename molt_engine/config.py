@@ -1,5 +1,7 @@
 """The run configuration: one validated pydantic model, so bad input fails before any work with the field named."""
 import inspect
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -7,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = ["RunConfig", "ValidationError", "config_errors"]
 
 # Here rather than next to what they name, so that validating a config needs neither torch nor transformers.
-PRESETS = ("tiny-dense", "tiny-moe", "tiny-vlm")     # built by models.PRESETS
+PRESETS = ("tiny-dense", "tiny-moe", "tiny-vlm", "tiny-chat")     # built by models.PRESETS
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")      # advantage estimators that need group_size >= 2
 
 
@@ -23,12 +25,22 @@ class ModelConfig(_Strict):
                         description="auto | cpu | cuda | cuda:N; auto = the first visible GPU, else the CPU")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="sampler weights and trainer autocast; the trainer's weights and optimizer stay fp32")
+    tool_parser: str = Field("hermes", description="how chat envs' tool calls are read from the policy's output: "
+                             "hermes (Qwen, Hermes: <tool_call>{json}</tool_call>) or module:function of an env directory")
 
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v):
         if v is not None and v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; known: {', '.join(sorted(PRESETS))}")
+        return v
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, v):
+        if v != "hermes":  # the built-in one (chat.PARSERS, which needs transformers)
+            from .envs import resolve
+            resolve(v, {"hermes": None}, "tool parser")
         return v
 
     @model_validator(mode="after")
@@ -179,6 +191,9 @@ class RunConfig(_Strict):
             raise ValueError(f"algo.minibatches ({self.algo.minibatches}) must not exceed loop.groups_per_step "
                              f"({self.loop.groups_per_step}): a minibatch holds whole groups")
         from .envs import ENVS, make_env, where
+        if ENVS[self.env].chat and not _has_chat_template(self.model):
+            raise ValueError(f"env {self.env!r} speaks chat messages, but the policy's tokenizer has no chat template "
+                             f"(use model.preset 'tiny-chat', or a model.path whose tokenizer has one)")
         try:
             make_env(self.env, self.env_args)
         except (TypeError, ValueError) as e:
@@ -187,6 +202,19 @@ class RunConfig(_Strict):
             file = inspect.getsourcefile(ENVS[self.env]) or "?"
             raise ValueError(f"env {self.env!r} failed to start: {where(e, file)}") from None
         return self
+
+
+def _has_chat_template(model: ModelConfig) -> bool:
+    """Read from the directory's files: validating a config needs no transformers."""
+    if not model.path:
+        return model.preset == "tiny-chat"
+    directory = Path(model.path)
+    if (directory / "chat_template.jinja").exists() or (directory / "chat_template.json").exists():
+        return True
+    try:
+        return bool(json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
 
 
 def config_errors(e: ValidationError) -> list[str]:

@@ -1,6 +1,9 @@
-"""Environments the agents train on: the Env contract, the registry, and the built-in envs (text, and one with images)."""
+"""Environments the agents train on: the Env contract, the registry, and the built-in envs (text, chat with a tool,
+and one with images)."""
+import ast
 import asyncio
 import importlib.util
+import operator
 import os
 import random
 import re
@@ -11,20 +14,25 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+# The seeds an env's reset gets: training prompts are (run seed << 32) + cursor, far below these.
+DEMO_SEEDS = 1 << 61        # warm-start demonstrations
+EVAL_SEEDS = 1 << 62        # held-out evals
+
 
 @dataclass
 class Observation:
-    text: str
+    text: str = ""
     images: list = field(default_factory=list)  # PIL images, one per "<image>" placeholder in the text, in order
+    messages: list = field(default_factory=list)  # chat envs: OpenAI-style messages, rendered by the chat template
 
 
 @dataclass
 class Result:
     reward: float
-    observation: str = ""  # feedback appended to the context as non-trained tokens ("" = none)
+    observation: str = ""  # feedback appended to the context as non-trained tokens ("" = none); chat: a user message
     terminated: bool = False
     truncated: bool = False
-    info: dict = field(default_factory=dict)  # {"tool_call": True}: counted in tool_call_rate; also "tool_error"
+    info: dict = field(default_factory=dict)  # "tool_call" (tool_call_rate), "tool_error", "metrics": {name: x}
     images: list = field(default_factory=list)  # as Observation.images, for the feedback text
 
 
@@ -35,6 +43,13 @@ class Env:
     max_turns: int = 1  # policy turns per episode; the engine truncates after this many
     max_tokens: int = 8  # max generated tokens per policy turn (the turn also ends at eos)
     success_reward: float = 1.0  # an episode whose reward reaches this counts as passed (pass_rate)
+    # Chat-native envs speak messages (Observation.messages) through the policy's chat template; step() gets the
+    # content of an assistant turn without tool calls. Tool calls run the `tools` (typed Python functions, sync or
+    # async, documented Google-style: their schemas go to the template) and come back as `tool` messages.
+    chat: bool = False
+    tools: tuple = ()
+    tool_timeout: float = 30.0  # seconds per tool call
+    notes: tuple = ()  # lines reported as an `env` event when a run starts
 
     def __init__(self, **kwargs):
         # Env args come from run configs, so a typo must fail loudly instead of being ignored.
@@ -48,6 +63,7 @@ class Env:
         raise NotImplementedError
 
     def demonstration(self, seed: int) -> list[str]:
+        """The actions of a good episode; chat envs: its assistant messages (content, or tool_calls)."""
         raise NotImplementedError
 
 
@@ -114,6 +130,20 @@ def load_agents_dir(path) -> list[str]:
     if errors:
         raise EnvLoadError(errors)
     return [name for name in ENVS if name not in before]
+
+
+def resolve(name: str, builtin: dict, what: str):
+    """A function by name: a built-in one, or `module:function` of a user's env directory (its file module.py)."""
+    if name in builtin:
+        return builtin[name]
+    module, _, function = name.partition(":")
+    if function and f"molt_agents.{module}" not in sys.modules:
+        load_user_envs()
+    found = getattr(sys.modules.get(f"molt_agents.{module}"), function, None) if function else None
+    if not callable(found):
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(builtin)}, or module:function of a file "
+                         f"in an env directory (--envs)")
+    return found
 
 
 LOAD_ERRORS: dict[str, str] = {}  # file -> why it failed, as of the latest load_user_envs()
@@ -199,8 +229,7 @@ class Calculator(Env):
         self.max_operand, self.max_second = max_operand, max_second
 
     def _question(self, rng: random.Random) -> tuple[int, str, int]:
-        # 2-digit operands by default: a product a tiny model cannot do in its head, short enough to learn to copy.
-        return rng.randint(10, self.max_operand), rng.choice("+-*"), rng.randint(2, self.max_second)
+        return calculator_question(rng, self.max_operand, self.max_second)[:3]
 
     async def reset(self, seed: int) -> Observation:
         # The same generator then draws the latency tails, so slow calls are reproducible per seed.
@@ -226,6 +255,64 @@ class Calculator(Env):
     def demonstration(self, seed: int) -> list[str]:
         a, op, b = self._question(random.Random(seed))
         return [f"calc {a}{op}{b}", str(_OPS[op](a, b))]
+
+
+def calculator_question(rng: random.Random, max_operand: int = 99, max_second: int = 99) -> tuple[int, str, int, int]:
+    """a, op, b and the value. 2-digit operands by default: a product a tiny model cannot do in its head, short enough
+    to learn to copy."""
+    a, op, b = rng.randint(10, max_operand), rng.choice("+-*"), rng.randint(2, max_second)
+    return a, op, b, _OPS[op](a, b)
+
+
+_AST_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _evaluate(node) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _AST_OPS:
+        return _AST_OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    raise ValueError("only integers joined by +, - and * are allowed")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression of integers.
+
+    Args:
+        expression: integers joined by +, - or *, e.g. "12*7"
+    """
+    if len(expression) > 64:  # bounds the size of a product
+        raise ValueError("expression longer than 64 characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from None
+    return str(_evaluate(tree.body))
+
+
+@register
+class ChatCalculator(Env):
+    """Chat-native tool use: "What is 47*8?" -> a native `calculator` tool call -> its result -> the answer "376"."""
+
+    name = "chat_calculator"
+    chat = True
+    tools = (calculator,)
+    max_turns = 3
+    max_tokens = 32
+
+    async def reset(self, seed: int) -> Observation:
+        a, op, b, self._answer = calculator_question(random.Random(seed))
+        return Observation(messages=[{"role": "user", "content": f"What is {a}{op}{b}?"}])
+
+    async def step(self, action: str) -> Result:
+        return _final(_parse_int(action) == self._answer)
+
+    def demonstration(self, seed: int) -> list[dict]:
+        a, op, b, value = calculator_question(random.Random(seed))
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": str(value)}]
 
 
 @register

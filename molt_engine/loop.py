@@ -18,13 +18,15 @@ from . import checkpoint, drills
 from .alerts import Alerts
 from .algo import GROUP_ESTIMATORS
 from .breaker import Breaker
+from .chat import stop_ids
 from .config import RunConfig
+from .envs import EVAL_SEEDS
 from .episode import Episode
 from .models import load_policy, routers
 from .rollout import EnvError, Rollout
 from .sampler import Sampler
 from .samples import record, training_samples
-from .update import batch_metrics, memory_metrics, train_step_fitting
+from .update import batch_metrics, env_metrics, memory_metrics, train_step_fitting
 
 EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
 
@@ -76,8 +78,10 @@ class Training:
         if cfg.algo.router_freeze:  # no gradient, so neither AdamW nor weight decay ever touches them
             for router in routers(self.model):
                 router.requires_grad_(False)
-        self.eos_id, self.pad_id = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        self.rollout = Rollout(cfg, self.processor, self.model.config.get_text_config().max_position_embeddings)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.stops = stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+        self.rollout = Rollout(cfg, self.processor, self.model.config.get_text_config().max_position_embeddings,
+                               self.stops)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.reference = None                    # frozen initial policy, only when the KL term is on
         self.sampler: Sampler | None = None      # made after the warm start, from a copy of the weights
@@ -133,6 +137,8 @@ class Training:
 
     async def prepare(self, resume: bool):
         """Restore the latest checkpoint, or start fresh (warm start, reference policy); then make the sampler."""
+        for note in self.rollout.notes:
+            self.sink.event("env", note)
         if self.cfg.algo.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         found = checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None
@@ -147,7 +153,7 @@ class Training:
         self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype)
         self.published = _copy_weights(self.model)
         # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device.
-        self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.eos_id,
+        self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.stops,
                                self.pad_id, self.cfg.loop.temperature, version=self.version,
                                kv_budget_gb=self.cfg.loop.kv_budget_gb)
 
@@ -365,7 +371,8 @@ class Training:
         if episodes:
             values = {"eval_reward": sum(e.reward for e in episodes) / len(episodes),
                       "eval_pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
-                      "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes)}
+                      "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
+                      **{f"eval_{k}": v for k, v in env_metrics(episodes).items()}}
             self.sink.metrics(step, values)
             if hasattr(self.sink, "samples"):
                 self.sink.samples(step, "eval", [record(e, self.processor, self.version)

@@ -1,13 +1,15 @@
-"""Policies: built-in presets (random init from transformers config classes) with an offline char tokenizer, or a local HF directory."""
+"""Policies: built-in presets (random init from transformers config classes) with offline tokenizers (characters, or
+byte-level BPE with a chat template), or a local HF directory."""
+import functools
 import math
 import os
 import string
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
                           CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast,
-                          Qwen3MoeConfig)
+                          Qwen2Config, Qwen3MoeConfig)
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # Pillow only, no torchvision
 
 IMAGE_TOKEN = "<image>"
@@ -31,7 +33,38 @@ PRESETS = {
                                        num_hidden_layers=2, num_attention_heads=4, projection_dim=64),
         text_config=PRESETS["tiny-dense"](vocab + 1), image_token_id=vocab,
         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True),
+    # tiny-dense's size as a Qwen2 (attention biases), for the byte-level BPE chat tokenizer; longer context for the
+    # chat template's tool preamble. Its ids: 0 <|endoftext|> (pad), 1 <|im_start|>, 2 <|im_end|> (eos, end of turn).
+    "tiny-chat": lambda vocab: Qwen2Config(
+        vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=2, bos_token_id=None),
 }
+
+# Qwen2.5's template, less its default system prompt: tools as JSON schemas in the system turn, Hermes-style calls
+# (<tool_call>{"name", "arguments"}</tool_call>) in assistant turns, tool results in a user turn.
+CHAT_TEMPLATE = (  # no "-" trimming; a newline right after a tag is written {{ '\n' }}, as trim_blocks drops it
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}{{ '\n\n' }}"
+    "{% endif %}# Tools\n<tools>{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n"
+    "Call a tool as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
+    "{% for call in message.tool_calls %}{% set call = call.function or call %}"
+    "{% if not loop.first or message.content %}{{ '\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ call.name }}\", "
+    "\"arguments\": {% if call.arguments is string %}{{ call.arguments }}{% else %}{{ call.arguments | tojson }}"
+    "{% endif %}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user"
+    "{% endif %}{{ '\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# Qwen2's pre-tokenizer: words, single digits, punctuation runs, whitespace.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -55,6 +88,30 @@ def device_of(model_cfg) -> torch.device:
     return torch.device(name)
 
 
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (Qwen2's pre-tokenizer) trained in code on text of the built-in chat envs, with CHAT_TEMPLATE.
+    The corpus and the trainer are deterministic, so the ids are the same on every machine; any text encodes (bytes)."""
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_chat_bpe()), pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@functools.cache  # a few seconds: once per process
+def _chat_bpe() -> str:
+    from .data import chat_corpus  # the built-in chat envs' text, which imports the envs
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+               "</tool_response>"]
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(chat_corpus(), trainer)
+    return tok.to_str()
+
+
 def load_policy(model_cfg, seed: int):
     """(model, processor) in fp32 train mode on `model.device`: a preset built from seed (on the CPU, so the same
     seed gives the same weights on every device), or `model_cfg.path` loaded offline. The
@@ -67,7 +124,7 @@ def load_policy(model_cfg, seed: int):
         processor = auto_processor.from_pretrained(model_cfg.path, local_files_only=True)
         model = auto_model.from_pretrained(model_cfg.path, local_files_only=True, dtype=torch.float32)
     else:
-        processor = char_tokenizer()
+        processor = chat_tokenizer() if model_cfg.preset == "tiny-chat" else char_tokenizer()
         config = PRESETS[model_cfg.preset](len(processor))
         torch.manual_seed(seed)
         if hasattr(config, "vision_config"):

@@ -1,5 +1,5 @@
-"""Episodes: policy turns (through the sampler) alternating with env steps, recorded token-first; demonstrations
-and the supervised warm start built on them."""
+"""Episodes: policy turns (through the sampler) alternating with env steps (or tool calls), recorded token-first;
+demonstrations and the supervised warm start built on them."""
 import asyncio
 import math
 import random
@@ -8,10 +8,9 @@ import traceback
 import torch
 
 from .algo import masked_mean
-from .envs import make_env
+from .chat import Template, parser, run_tools
+from .envs import DEMO_SEEDS, make_env
 from .episode import Episode, collate, to_device, token_logprobs
-
-DEMO_SEEDS = 1 << 61        # warm-start prompts: far from training seeds ((run seed << 32) + cursor) and eval seeds
 
 
 class EnvError(Exception):
@@ -19,13 +18,18 @@ class EnvError(Exception):
 
 
 class Rollout:
-    """Runs one env's episodes for a policy: owns the env text <-> token conversion; the sampler does the sampling."""
+    """Runs one env's episodes for a policy: owns the env text (or messages) <-> token conversion; the sampler does
+    the sampling. `stops`: the ids a policy turn ends at."""
 
-    def __init__(self, cfg, processor, context_limit: int):
+    def __init__(self, cfg, processor, context_limit: int, stops: list[int]):
         self.cfg, self.processor = cfg, processor
         self.tokenizer = getattr(processor, "tokenizer", processor)  # a VLM's processor wraps it
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_id, self.stops = self.tokenizer.eos_token_id, stops
         self.context_limit = context_limit
+        env = make_env(cfg.env, cfg.env_args)
+        self.notes, self.tools = list(env.notes), {tool.__name__: tool for tool in env.tools}
+        self.template = Template(self.tokenizer, env.tools, stops) if env.chat else None
+        self.parse = parser(cfg.model.tool_parser)
 
     async def episode(self, sampler, seed: int, group: int, index: int, greedy: bool = False) -> Episode:
         """Alternate policy turns and env steps. Generated ids go into the record as sampled, never re-encoded;
@@ -34,31 +38,82 @@ class Rollout:
         drill = random.Random(hash((seed, index))) if self.cfg.drills.env_error_rate else None
         obs = await _env_call(env.reset(seed))
         ep = Episode(seed=seed, group=group)
-        self.observe(ep, obs.text, obs.images)
-        info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "truncated": True, "entropy": 0.0}
-        for turn in range(env.max_turns):
+        info = ep.info = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "truncated": True, "entropy": 0.0,
+                          "metrics": {}}
+
+        async def act(turn: int) -> list[int] | None:
             if len(ep.token_ids) + env.max_tokens > self.context_limit:
-                break
+                return None
             req = await sampler.generate(ep.token_ids, env.max_tokens, images=ep.images, greedy=greedy,
                                          seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
             ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts,
                       entropies=req.entropies)
             info["entropy"] += sum(req.entropies)
-            text = self.tokenizer.decode(req.ids[:-1] if req.ids[-1] == self.eos_id else req.ids)
             if drill and drill.random() < self.cfg.drills.env_error_rate:
                 raise EnvError("drill: injected env error (drills.env_error_rate)")
-            result = await _env_call(env.step(text))
-            ep.reward += result.reward
-            info["turns"] += 1
-            info["tool_calls"] += bool(result.info.get("tool_call"))
-            info["tool_errors"] += bool(result.info.get("tool_error"))
-            if result.terminated or result.truncated:
-                info["truncated"] = result.truncated
-                break
-            self.observe(ep, result.observation, result.images)
+            return req.ids
+
+        if self.template:
+            await self.chat_turns(env, obs, ep, lambda turn, history: act(turn))
+        else:
+            self.observe(ep, obs.text, obs.images)
+            for turn in range(env.max_turns):
+                ids = await act(turn)
+                if ids is None:
+                    break
+                result = await _env_call(env.step(self.tokenizer.decode(ids[:-1] if ids[-1] in self.stops else ids)))
+                info["tool_calls"] += bool(result.info.get("tool_call"))
+                info["tool_errors"] += bool(result.info.get("tool_error"))
+                if self.scored(ep, result):
+                    break
+                self.observe(ep, result.observation, result.images)
         info["success"] = ep.reward >= env.success_reward
-        ep.info = info
         return ep
+
+    @staticmethod
+    def scored(ep: Episode, result) -> bool:
+        """Book an env step's reward, turn and metrics on the episode; whether it ended the episode."""
+        ep.reward += result.reward
+        ep.info["turns"] += 1
+        ep.info["metrics"].update(result.info.get("metrics", {}))
+        if result.terminated or result.truncated:
+            ep.info["truncated"] = result.truncated
+        return result.terminated or result.truncated
+
+    async def chat_turns(self, env, obs, ep: Episode, act):
+        """A chat env's turns: the template renders the messages; each reply's sampled ids stay as they are, then
+        its tool calls run (results as `tool` messages) or, without calls, env.step scores its content; only the
+        template's delta of the new messages is appended. `act(turn, history)` appends a reply's action tokens and
+        returns them (None: no room left)."""
+        info = ep.info
+        info.update(tool_errors=0, template_prefix_breaks=0)
+        history = list(obs.messages)
+        ep.extend(self.template.ids(history, generation=True))
+        for turn in range(env.max_turns):
+            ids = await act(turn, history)
+            if ids is None:
+                break
+            ended = ids[-1] in self.stops
+            text = self.tokenizer.decode(ids[:-1] if ended else ids)
+            content, calls = self.parse(text) if self.tools else (text.strip(), [])  # no tools: all of it is content
+            reply = {"role": "assistant", "content": content}
+            if valid := [{"type": "function", "function": c} for c in calls if "error" not in c]:
+                reply["tool_calls"] = valid
+            if calls:
+                info["turns"] += 1
+                info["tool_calls"] += 1
+                results = await run_tools(self.tools, calls, env.tool_timeout)
+                info["tool_errors"] += sum(error for _, _, error in results)
+                new = [{"role": "tool", "name": name, "content": out} for name, out, _ in results]
+            else:
+                result = await _env_call(env.step(content))
+                if self.scored(ep, result):
+                    break
+                new = [{"role": "user", "content": result.observation}] if result.observation else []
+            tail, broke = self.template.after_reply(history + [reply], new, ended)
+            info["template_prefix_breaks"] += broke
+            ep.extend(tail)
+            history += [reply] + new
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
@@ -78,7 +133,17 @@ class Rollout:
     async def demonstration(self, seed: int) -> Episode:
         env = make_env(self.cfg.env, self.cfg.env_args)
         obs = await env.reset(seed)
-        ep = Episode(seed=seed, group=-1)
+        ep = Episode(seed=seed, group=-1, info={"turns": 0, "tool_calls": 0, "metrics": {}})
+        if self.template:
+            replies = iter(env.demonstration(seed))
+
+            async def act(turn, history):
+                message = next(replies, None)
+                ids = self.template.reply(history, message) if message else None
+                ep.extend(ids or [], action=True, logprobs=[0.0] * len(ids or []), versions=[0] * len(ids or []))
+                return ids
+            await self.chat_turns(env, obs, ep, act)
+            return ep
         self.observe(ep, obs.text, obs.images)
         for action in env.demonstration(seed):
             ids = self.encode(action) + [self.eos_id]

@@ -28,7 +28,7 @@ class Request:
 
 
 class Sampler:
-    def __init__(self, model, eos_id: int, pad_id: int, temperature: float, version: int = 0,
+    def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
                  kv_budget_gb: float | None = None):
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -39,7 +39,8 @@ class Sampler:
         token_bytes = 2 * text.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
-        self.eos_id, self.pad_id, self.temperature = eos_id, pad_id, temperature
+        self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
+        self.pad_id, self.temperature = pad_id, temperature
         self.version = version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
         self.active: list[Request] = []    # in generation, each on a row of the cache
@@ -104,7 +105,7 @@ class Sampler:
             self._join(joining)
         self.stats["steps"] += 1
         self.stats["rows"] += len(self.active)
-        done = [r.ids[-1] == self.eos_id or len(r.ids) >= r.max_tokens for r in self.active]
+        done = [r.ids[-1] in self.stop_ids or len(r.ids) >= r.max_tokens for r in self.active]
         finished = [r for r, d in zip(self.active, done) if d]
         self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished

@@ -190,4 +190,15 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
         "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
         "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
         "turns_mean": sum(e.info["turns"] for e in episodes) / n,
+        **env_metrics(episodes),
     }
+
+
+def env_metrics(episodes: list[Episode]) -> dict:
+    """Chat envs' counts over the batch (tool_errors, template_prefix_breaks), and the means of the metrics envs
+    report in Result.info["metrics"] (e.g. accuracy_strict) over the episodes that report them."""
+    counts = {k: float(sum(e.info[k] for e in episodes)) for k in ("tool_errors", "template_prefix_breaks")
+              if k in episodes[0].info}
+    reported = [e.info.get("metrics", {}) for e in episodes]
+    names = sorted({k for m in reported for k in m})
+    return {**counts, **{k: sum(m[k] for m in reported if k in m) / sum(k in m for m in reported) for k in names}}

@@ -78,7 +78,7 @@ def test_kv_budget_queues_requests_beyond_it_and_all_finish():
     token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads) * 4
     context, new = tok.encode("max of 3 9 4:"), 6
     budget = 3 * (len(context) + new) * token_bytes / 1e9  # three requests' worth
-    sampler = Sampler(model, eos_id=-1, pad_id=tok.pad_token_id, temperature=1.0, kv_budget_gb=budget)
+    sampler = Sampler(model, stop_ids=[], pad_id=tok.pad_token_id, temperature=1.0, kv_budget_gb=budget)
     seen, real_step = [], sampler.step
 
     def step():

@@ -269,7 +269,7 @@ def test_weight_swap_mid_generation_tags_versions():
     tok = char_tokenizer()
     old, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
     new, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=2)
-    sampler = Sampler(copy.deepcopy(old), tok.eos_token_id, tok.pad_token_id, temperature=1.0, version=0)
+    sampler = Sampler(copy.deepcopy(old), [tok.eos_token_id], tok.pad_token_id, temperature=1.0, version=0)
     context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
     other = tok("9 2=", add_special_tokens=False)["input_ids"]
     # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text). Four
@@ -307,7 +307,7 @@ def test_weight_swap_mid_generation_reprefills_with_images():
     old, processor = load_policy(ModelConfig(preset="tiny-vlm"), seed=1)
     new, _ = load_policy(ModelConfig(preset="tiny-vlm"), seed=2)
     tok = processor.tokenizer
-    sampler = Sampler(copy.deepcopy(old), tok.eos_token_id, tok.pad_token_id, temperature=1.0, version=0)
+    sampler = Sampler(copy.deepcopy(old), [tok.eos_token_id], tok.pad_token_id, temperature=1.0, version=0)
     reqs = []
     for i, (colour, shape, question) in enumerate([("red", "circle", "color"), ("blue", "triangle", "count?\nsay")]):
         out = processor(text=f"<image>{question}?\n", images=[Shapes.render(colour, shape, [(2, 2), (18, 18)])],

@@ -1,0 +1,113 @@
+"""Learning with chat-native episodes on tiny-chat: the chat calculator (native tool calls) and the dataset env on a
+generated GSM8K-format file.
+
+    python bench/chat_learning.py calculator --seeds 0 1 2        # acceptance: 10-step average >= 0.8 in 15 min
+    python bench/chat_learning.py dataset --seeds 0               # strict accuracy +0.3 from the first RL step
+
+Prints, per seed, a line every 10 RL steps (minutes since the start of RL, the 10-step average of the training
+reward, tool-call rate, tool errors per step, strict/flexible accuracy where the env reports them), then a summary:
+the first RL step (what the warm start left), when the 10-step average first reached the target (calculator: reward
+0.8; dataset: strict accuracy 0.3 above the first step's), and the greedy evals on held-out prompts (the dataset's
+eval file) every 20 steps. RL stops after --minutes.
+"""
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from molt_engine import NullSink, train
+from molt_engine.data import word_problems
+
+RECIPES = {
+    "calculator": {"env": "chat_calculator", "model": {"preset": "tiny-chat"},
+                   "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0},
+                   "warm_start": {"steps": 200, "lr": 1e-3}},
+    "dataset": {"env": "dataset", "model": {"preset": "tiny-chat"},
+                "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0, "eval_episodes": 100},
+                "env_args": {"reward": "gsm8k", "max_tokens": 24}, "warm_start": {"steps": 200, "lr": 1e-3},
+                # Without the KL to the warm-started policy, RL at the default lr lowers the accuracy (0.22 -> 0.06).
+                "algo": {"lr": 1e-4, "kl_coef": 0.1}},
+}
+WATCH = ("reward_mean", "tool_call_rate", "tool_errors", "accuracy_strict", "accuracy_flexible")
+
+
+class Progress(NullSink):
+    def __init__(self, target: str, threshold: float):
+        self.target, self.threshold = target, threshold
+        self.rows, self.start, self.reached, self.evals = [], None, None, []
+
+    def event(self, kind, message, **data):
+        if kind == "warm_start":
+            self.start = time.perf_counter()
+            print(f"  {message}", flush=True)
+
+    def metrics(self, step, values):
+        if "reward_mean" not in values:  # a greedy eval on held-out prompts
+            self.evals.append((step, {k: round(v, 3) for k, v in values.items()}))
+            return
+        minutes = (time.perf_counter() - self.start) / 60
+        self.rows.append(values)
+        last = self.rows[-10:]
+        average = statistics.mean(r[self.target] for r in last)
+        if self.target == "accuracy_strict":  # the dataset's target is a rise from the first RL step
+            average -= self.rows[0][self.target]
+        if len(last) == 10 and self.reached is None and average >= self.threshold:
+            self.reached = (step, minutes)
+        if len(self.rows) % 10 == 0:
+            shown = {k: round(statistics.mean(r[k] for r in last), 3) for k in WATCH if k in values}
+            print(f"  step {step + 1:4d}  {minutes:5.1f} min  10-step means {shown}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("recipe", choices=sorted(RECIPES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--minutes", type=float, default=15.0, help="RL time per seed")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--algo", type=json.loads, default={}, help='overrides of the algo section, e.g. \'{"kl_coef": 0.1}\'')
+    parser.add_argument("--warm-start", type=json.loads, default={}, help='overrides of the warm_start section')
+    args = parser.parse_args()
+    config = json.loads(json.dumps(RECIPES[args.recipe]))
+    target, threshold = ("reward_mean", 0.8) if args.recipe == "calculator" else ("accuracy_strict", 0.3)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.recipe == "dataset":
+            for name, rows, seed in (("train.jsonl", 2000, 0), ("test.jsonl", 200, 1)):
+                Path(tmp, name).write_text("".join(json.dumps(r) + "\n" for r in word_problems(rows, seed)))
+            config["env_args"].update(path=str(Path(tmp, "train.jsonl")), eval_path=str(Path(tmp, "test.jsonl")))
+        for seed in args.seeds:
+            print(f"{args.recipe} seed {seed}", flush=True)
+            sink = Progress(target, threshold)
+            run = {**config, "seed": seed, "algo": {**config.get("algo", {}), **args.algo},
+                   "warm_start": {**config["warm_start"], **args.warm_start}, "loop": {**config["loop"], "steps": args.steps, "eval_every": 20},
+                   "checkpoint": {"every": 0}}
+            summary = train_for(run, sink, args.minutes * 60)
+            first = sink.rows[0]
+            report = {"first_step": {k: round(first[k], 3) for k in WATCH if k in first},
+                      "steps": len(sink.rows), "minutes": round((time.perf_counter() - sink.start) / 60, 1),
+                      "last10": {k: round(statistics.mean(r[k] for r in sink.rows[-10:]), 3) for k in WATCH
+                                 if k in first},
+                      "reached": sink.reached, "evals": sink.evals, "status": summary.get("status")}
+            best = max(statistics.mean(r[target] for r in sink.rows[i:i + 10]) for i in range(max(len(sink.rows) - 9, 1)))
+            report[f"best10_{target}_minus_first_step"] = round(best - first[target], 3)
+            print("  " + json.dumps(report), flush=True)
+
+
+def train_for(config: dict, sink: Progress, seconds: float) -> dict:
+    """train() with a time box on RL: the sink asks for a stop (SIGINT to this process) once `seconds` have passed
+    since the warm start; the run ends as `stopped` with the steps done so far."""
+    import os
+    import signal
+    import threading
+
+    def watchdog():
+        while sink.start is None or time.perf_counter() - sink.start < seconds:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGINT)
+    threading.Thread(target=watchdog, daemon=True).start()
+    return train(config, sink)
+
+
+if __name__ == "__main__":
+    main()

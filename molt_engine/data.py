@@ -1,0 +1,210 @@
+"""Datasets as an env: prompts from JSONL, parquet or `datasets` directories, rewards by name; a generator of small
+GSM8K-format word problems (`python -m molt_engine.data OUT.jsonl --rows 2000`)."""
+import argparse
+import functools
+import json
+import random
+import re
+from pathlib import Path
+
+from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, Observation, Result, calculator_question, register, resolve
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+STRICT = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)")
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text.replace(",", "")) if text else None
+    except ValueError:
+        return None
+
+
+def _last_number(text: str) -> float | None:
+    found = NUMBER.findall(text)
+    return _number(found[-1]) if found else None
+
+
+def exact(completion: str, answer: str, **columns) -> float:
+    return float(completion.strip() == str(answer).strip())
+
+
+def numeric(completion: str, answer: str, **columns) -> float:
+    """The last number of the completion equals the answer's."""
+    value = _last_number(completion)
+    return float(value is not None and value == _number(str(answer)))
+
+
+def gsm8k(completion: str, answer: str, **columns) -> dict:
+    """Strict: the number after `####` equals the answer (the reward); flexible: the last number does (a metric)."""
+    strict = STRICT.search(completion)
+    reference = _number(str(answer))
+    score = float(strict is not None and _number(strict.group(1)) == reference)
+    return {"reward": score, "accuracy_strict": score, "accuracy_flexible": numeric(completion, answer)}
+
+
+def math(completion: str, answer: str, **columns) -> float:
+    """math-verify: the completion's final expression (LaTeX or plain) is equivalent to the answer's."""
+    from math_verify import parse, verify
+    # No timeouts: they use SIGALRM, which only works on the main thread.
+    gold = parse(str(answer), parsing_timeout=None)
+    return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
+
+
+REWARDS = {"exact": exact, "numeric": numeric, "gsm8k": gsm8k, "math": math}
+
+
+@functools.cache
+def _load(path: str, mtime: float) -> tuple[list[dict], int]:
+    """(rows with a non-empty prompt, rows skipped for an empty one) of a file or `datasets` directory."""
+    file = Path(path)
+    if file.is_dir():
+        from datasets import load_from_disk
+        rows = list(load_from_disk(path))
+    elif file.suffix == ".parquet":
+        from datasets import Dataset
+        rows = list(Dataset.from_parquet(path))
+    else:
+        rows = []
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            try:
+                rows.append(json.loads(line)) if line.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"dataset: {path}:{number}: not JSON ({e})") from None
+    if rows and not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"dataset: {path}: every row must be a JSON object")
+    if not rows or "prompt" not in rows[0]:
+        raise ValueError(f"dataset: {path} has no 'prompt' column (columns: {', '.join(rows[0]) if rows else 'none'})")
+    kept = [r for r in rows if r.get("prompt")]
+    if not kept:
+        raise ValueError(f"dataset: {path}: every prompt is empty")
+    return kept, len(rows) - len(kept)
+
+
+def load_rows(path: str) -> tuple[list[dict], int]:
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"dataset: {path!r} does not exist (relative paths are from {Path.cwd()})")
+    return _load(str(file.resolve()), file.stat().st_mtime)
+
+
+@functools.cache
+def _order(rows: int, run: int, epoch: int) -> list[int]:
+    order = list(range(rows))
+    random.Random(f"{run}:{epoch}").shuffle(order)
+    return order
+
+
+def reference(answer) -> str:
+    """GSM8K's answers end with `#### N`: the reference is N."""
+    return str(answer).rsplit("####", 1)[-1].strip() if "####" in str(answer) else str(answer)
+
+
+@register
+class Dataset(Env):
+    """One chat turn per row: `prompt` (text, or a list of messages) -> the policy's reply, scored by `reward` against
+    the `answer` column; every column reaches the reward function as a keyword argument."""
+
+    name = "dataset"
+    chat = True
+
+    def __init__(self, *, path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256,
+                 **unknown):
+        super().__init__(**unknown)
+        self.rows, skipped = load_rows(path)
+        self.eval_rows, eval_skipped = load_rows(eval_path) if eval_path else (self.rows, 0)
+        self.reward = resolve(reward, REWARDS, "reward")
+        if reward in REWARDS and "answer" not in self.rows[0]:
+            raise ValueError(f"dataset: reward {reward!r} needs an 'answer' column; {path} has none")
+        if max_tokens < 1:
+            raise ValueError("dataset: max_tokens must be >= 1")
+        self.max_tokens = max_tokens
+        self.notes = [f"dataset: {n} rows of {p} skipped (empty prompt)"
+                      for n, p in ((skipped, path), (eval_skipped, eval_path)) if n]
+
+    def _row(self, seed: int) -> dict:
+        """Eval seeds walk the eval file; training seeds ((run seed << 32) + cursor) walk a shuffle of the rows
+        that is new every epoch, so a resumed cursor finds the same row."""
+        if seed >= EVAL_SEEDS:
+            return self.eval_rows[(seed - EVAL_SEEDS) % len(self.eval_rows)]
+        if seed >= DEMO_SEEDS:
+            return self.rows[_order(len(self.rows), -1, 0)[(seed - DEMO_SEEDS) % len(self.rows)]]
+        run, cursor = divmod(seed, 1 << 32)
+        epoch, index = divmod(cursor, len(self.rows))
+        return self.rows[_order(len(self.rows), run, epoch)[index]]
+
+    async def reset(self, seed: int) -> Observation:
+        self._current = self._row(seed)
+        prompt = self._current["prompt"]
+        return Observation(messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt))
+
+    async def step(self, action: str) -> Result:
+        row = self._current
+        columns = {**row, "answer": reference(row["answer"])} if "answer" in row else row
+        scored = self.reward(action, **columns)
+        if isinstance(scored, dict):
+            scored = dict(scored)
+            return Result(reward=float(scored.pop("reward")), terminated=True, info={"metrics": scored})
+        return Result(reward=float(scored), terminated=True)
+
+    def demonstration(self, seed: int) -> list[dict]:
+        row = self._row(seed)
+        if "answer" not in row:
+            raise ValueError("dataset: a warm start needs an 'answer' column (or set warm_start.steps to 0)")
+        return [{"role": "assistant", "content": str(row["answer"])}]
+
+
+# ---- a small GSM8K-format dataset -------------------------------------------------------------------------------------
+
+NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivy", "Jon")
+THINGS = ("apples", "pens", "books", "coins", "cards", "shells", "stickers", "marbles")
+PROBLEMS = (
+    ("{n} has {a} {t}. {n} gets {b} more. How many {t} does {n} have now?", "+"),
+    ("{n} has {a} {t} and gives away {b}. How many {t} are left?", "-"),
+    ("{n} buys {a} bags with {b} {t} in each. How many {t} are there?", "*"),
+)
+
+
+def word_problem(rng: random.Random) -> dict:
+    """One-step arithmetic on single digits, with GSM8K's answer format: working, then `#### N`."""
+    text, op = rng.choice(PROBLEMS)
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    if op == "-":
+        a, b = max(a, b), min(a, b)
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"prompt": text.format(n=rng.choice(NAMES), t=rng.choice(THINGS), a=a, b=b),
+            "answer": f"{a} {op} {b} = {value}\n#### {value}"}
+
+
+def word_problems(rows: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [word_problem(rng) for _ in range(rows)]
+
+
+def chat_corpus():
+    """Text the tiny-chat tokenizer learns its merges from: the chat template's frame around the built-in chat envs'
+    conversations (a calculator tool call and its result, word problems)."""
+    from transformers.utils import get_json_schema
+
+    from .envs import calculator
+    tools = ("<|im_start|>system\n# Tools\n<tools>\n" + json.dumps(get_json_schema(calculator)) + "\n</tools>\nCall a "
+             'tool as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+    rng = random.Random(0)
+    for _ in range(3000):
+        a, op, b, value = calculator_question(rng)
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}})
+        yield (f"{tools}<|im_start|>user\nWhat is {a}{op}{b}?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{call}\n"
+               f"</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{value}\n</tool_response><|im_end|>\n"
+               f"<|im_start|>assistant\n{value}<|im_end|>\n")
+        row = word_problem(rng)
+        yield f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n{row['answer']}<|im_end|>\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write a GSM8K-format JSONL file of one-step word problems.")
+    parser.add_argument("out")
+    parser.add_argument("--rows", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in word_problems(args.rows, args.seed)))
+    print(f"wrote {args.rows} rows to {args.out}")

@@ -1,0 +1,206 @@
+"""Chat-native episodes: templates as token deltas, native tool calls, the tiny-chat preset, on real runs."""
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from molt_engine import Env, Observation, Result, train
+from molt_engine.chat import Template, hermes, run_tools, stop_ids
+from molt_engine.config import ModelConfig
+from molt_engine.data import word_problems
+from molt_engine.envs import ENVS, calculator
+from molt_engine.models import CHAT_TEMPLATE, _chat_bpe, chat_tokenizer, load_policy
+from test_invariants import capture  # noqa: F401  (the fixture)
+
+SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
+
+
+class ThreeCalls(Env):
+    """Three calculator calls, then the answer: three tool turns and a fourth."""
+    name = "test_three_calls"
+    chat = True
+    tools = (calculator,)
+    max_turns = 4
+    max_tokens = 32
+
+    async def reset(self, seed):
+        self.a, self.b = 10 + seed % 50, 2 + seed % 7
+        return Observation(messages=[{"role": "user", "content": f"What is {self.a}*{self.b}? Check three times."}])
+
+    async def step(self, action):
+        return Result(reward=float(action.strip() == str(self.a * self.b)), terminated=True)
+
+    def demonstration(self, seed):
+        # Always the same call: a warm start of seconds teaches it, so that sampled episodes really make three.
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]}] * 3 + [
+            {"role": "assistant", "content": str((10 + seed % 50) * (2 + seed % 7))}]
+
+
+# The same template, except that an assistant turn with tool calls renders differently once something follows it
+# (as Qwen3 drops earlier <think> blocks): every tool turn's delta is then a prefix break.
+FORGETFUL = CHAT_TEMPLATE.replace("{% elif message.role == 'assistant' %}",
+                                  "{% elif message.role == 'assistant' and not loop.last %}<|im_start|>assistant\\n"
+                                  "(called)<|im_end|>\\n{% elif message.role == 'assistant' %}")
+
+
+def action_runs(ep):
+    """(start, end) of each maximal run of action tokens."""
+    runs, p = [], 0
+    while p < len(ep.token_ids):
+        end = p
+        while end < len(ep.token_ids) and ep.is_action[end] == ep.is_action[p]:
+            end += 1
+        if ep.is_action[p]:
+            runs.append((p, end))
+        p = end
+    return runs
+
+
+@pytest.mark.parametrize("template", ["qwen", "forgetful"])
+def test_tool_turns_train_exactly_the_sampled_tokens(tmp_path, capture, template):
+    ENVS.setdefault("test_three_calls", ThreeCalls)
+    model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
+    assert tok.chat_template != FORGETFUL
+    tok.chat_template = FORGETFUL if template == "forgetful" else CHAT_TEMPLATE
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    summary = train({"env": "test_three_calls", "model": {"preset": None, "path": str(tmp_path)},
+                     "loop": {**SMALL, "steps": 2, "max_staleness": 0}, "warm_start": {"steps": 40, "batch_size": 8}})
+    generated = {}
+    for r in capture["generations"]:
+        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
+    three_calls = 0
+    for episodes, batch in capture["batches"]:
+        for row, ep in enumerate(episodes):
+            sampled = []
+            for start, end in action_runs(ep):  # each run of actions is one generation, with its log-probs
+                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
+                sampled += ep.token_ids[start:end]
+            assert batch["targets"][row][batch["action_mask"][row]].tolist() == sampled
+            assert len(action_runs(ep)) == ep.info["turns"]
+            # The prompt the sampler saw is the template's render of the env's messages and tools.
+            first = action_runs(ep)[0][0]
+            messages = asyncio.run(ThreeCalls().reset(ep.seed)).messages
+            assert tok.decode(ep.token_ids[:first]) == tok.apply_chat_template(
+                messages, tools=[calculator], add_generation_prompt=True, tokenize=False)
+            # The forgetful template re-renders every reply with a well-formed call: each one's delta is a break.
+            well_formed = sum(any("error" not in c for c in hermes(tok.decode(ep.token_ids[a:b - 1]))[1])
+                              for a, b in action_runs(ep))
+            assert ep.info["template_prefix_breaks"] == (well_formed if template == "forgetful" else 0)
+            three_calls += ep.info["tool_calls"] == 3
+    assert three_calls > 0  # the warm start taught the three calls: the multi-turn case really ran
+    assert len(capture["losses"]) == 2
+    for logp, behav, mask in capture["losses"]:
+        assert mask.any() and (logp[mask] - behav[mask]).abs().max() <= 1e-5
+    assert summary["tool_errors"] >= 0 and "template_prefix_breaks" in summary
+
+
+def test_a_qwen2_directory_with_its_own_tokenizer_and_template_trains(tmp_path, capture):
+    """Not tiny-chat: a BPE of its own (GPT-2-style pre-tokenizer), a template with a default system prompt and no
+    tools, and the dataset env; the prompts the sampler saw decode to that template's render."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    rows = word_problems(50, seed=3)
+    bpe.train_from_iterator([r["prompt"] + "\n" + r["answer"] for r in rows], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "<s>", "<end>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<end>", bos_token="<s>")
+    tok.chat_template = ("<s>{% if messages[0].role != 'system' %}[SYS] You help. [/SYS]{% endif %}"
+                         "{% for m in messages %}[{{ m.role }}] {{ m.content }}<end>{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    tok.save_pretrained(tmp_path)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                                 pad_token_id=0, eos_token_id=2)).save_pretrained(tmp_path)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = train({"env": "dataset", "env_args": {"path": str(data), "reward": "gsm8k", "max_tokens": 12},
+                     "model": {"preset": None, "path": str(tmp_path)}, "loop": {**SMALL, "steps": 2},
+                     "warm_start": {"steps": 2, "batch_size": 4}})
+    assert summary["status"] == "completed" and "accuracy_flexible" in summary
+    seen = {tuple(r.context) for r in capture["generations"]}
+    for episodes, _ in capture["batches"]:
+        for ep in episodes:
+            first = action_runs(ep)[0][0]
+            assert tuple(ep.token_ids[:first]) in seen
+            prompt = next(r["prompt"] for r in rows if r["prompt"] in tok.decode(ep.token_ids[:first]))
+            assert tok.decode(ep.token_ids[:first]) == (f"<s>[SYS] You help. [/SYS][user] {prompt}<end>"
+                                                        "[assistant] ")
+    assert stop_ids(tok) == [tok.eos_token_id]  # its end of turn is its eos
+
+
+def test_tiny_chat_tokenizer_is_the_same_in_every_process():
+    """Built in code from a deterministic corpus: another process builds the very same vocabulary and merges."""
+    digest = hashlib.sha256(_chat_bpe().encode()).hexdigest()
+    other = subprocess.run([sys.executable, "-c", "import hashlib; from molt_engine.models import _chat_bpe; "
+                            "print(hashlib.sha256(_chat_bpe().encode()).hexdigest())"],
+                           capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == digest
+    tok = chat_tokenizer()
+    text = "Ünïcode and émoji 🙂 encode as bytes"
+    assert tok.decode(tok(text)["input_ids"]) == text
+    assert [tok.convert_ids_to_tokens(i) for i in stop_ids(tok)] == ["<|im_end|>"]
+    # A generation config's list of eos ids (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>) ends turns too.
+    assert stop_ids(tok, GenerationConfig(eos_token_id=[2, 0])) == [0, 2]
+
+
+def test_hermes_parser():
+    assert hermes("42") == ("42", [])
+    content, calls = hermes('Let me see <tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n'
+                            '</tool_call><tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>'
+                            '<tool_call>{"name": "g", "arguments": [1]}</tool_call><tool_call>{"name": "h"')
+    assert content == "Let me see"
+    assert calls[:2] == [{"name": "calculator", "arguments": {"expression": "2*3"}}, {"name": "f", "arguments": {"x": 1}}]
+    assert "arguments an object" in calls[2]["error"] and "malformed" in calls[3]["error"]
+
+
+def test_tool_failures_become_error_messages():
+    gate = asyncio.Event()
+
+    async def hangs(x: int) -> str:
+        """Never returns.
+
+        Args:
+            x: anything
+        """
+        await gate.wait()
+
+    def boom() -> str:
+        """Raises."""
+        raise RuntimeError("no")
+
+    tools = {"calculator": calculator, "hangs": hangs, "boom": boom}
+    calls = [{"name": "calculator", "arguments": {"expression": "6*7"}}, {"error": "malformed tool call 'x'"},
+             {"name": "nope", "arguments": {}}, {"name": "calculator", "arguments": {"expr": "1"}},
+             {"name": "calculator", "arguments": {"expression": "__import__('os')"}}, {"name": "boom", "arguments": {}},
+             {"name": "hangs", "arguments": {"x": 1}}]
+    results = asyncio.run(run_tools(tools, calls, timeout=0.2))
+    assert results[0] == ("calculator", "42", False)
+    assert [error for _, _, error in results] == [False] + [True] * 6
+    texts = [text for _, text, _ in results]
+    assert "malformed" in texts[1] and "unknown tool 'nope'" in texts[2] and "wrong arguments" in texts[3]
+    assert "ValueError" in texts[4] and "RuntimeError: no" in texts[5] and "timed out" in texts[6]
+
+
+def test_template_delta_after_a_tool_turn_is_the_suffix():
+    tok = chat_tokenizer()
+    template = Template(tok, [calculator], stop_ids(tok))
+    history = [{"role": "user", "content": "What is 6*7?"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}}]}
+    reply = template.reply(history, call)
+    assert tok.decode(reply) == '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call><|im_end|>'
+    tail, broke = template.after_reply(history + [call], [{"role": "tool", "content": "42"}], ended=True)
+    assert not broke
+    whole = template.ids(history, True) + reply + tail
+    assert whole == template.ids(history + [call, {"role": "tool", "content": "42"}], True)
+    # A reply cut off before its end of turn gets the end-of-turn token as non-action context.
+    tail, _ = template.after_reply(history + [call], [{"role": "tool", "content": "42"}], ended=False)
+    assert tok.decode(tail).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
