@@ -5,15 +5,18 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 
-def save(root: Path, step: int, model, processor, state: dict, reference=None) -> Path:
-    """Write checkpoint `step-NNNNNN` under root and point `latest` at it. A crash at any moment leaves either the
-    previous complete checkpoint or this one, never a half-written directory under a checkpoint's name."""
+
+def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None) -> Path:
+    """Write checkpoint `step-NNNNNN` under root and point `latest` at it (the policy's weights are `weights` if given,
+    else `model`'s). A crash at any moment leaves either the previous complete checkpoint or this one, never a
+    half-written directory under a checkpoint's name."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy")
+    model.save_pretrained(tmp / "policy", state_dict=weights)
     processor.save_pretrained(tmp / "policy")  # a tokenizer, or a VLM's processor (tokenizer + image processor)
     if reference is not None:
         reference.save_pretrained(tmp / "reference")
@@ -63,7 +66,7 @@ def step_of(path: Path) -> int:
 def load(path: Path, model, reference=None) -> dict:
     """Load weights into `model` (and `reference`) in place; return the training state."""
     # The policy's own class: a causal LM or a vision-language model.
-    model.load_state_dict(type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
+    dist.load_weights(model, type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
     if reference is not None:
         reference.load_state_dict(type(reference).from_pretrained(path / "reference", dtype=torch.float32).state_dict())
     return torch.load(path / "state.pt", weights_only=False)
