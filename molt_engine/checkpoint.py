@@ -16,7 +16,8 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None, w
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy", state_dict=weights)
+    # A copy of the dict: save_pretrained empties the one it is given, and `weights` is still the sampler's.
+    model.save_pretrained(tmp / "policy", state_dict=dict(weights) if weights is not None else None)
     processor.save_pretrained(tmp / "policy")  # a tokenizer, or a VLM's processor (tokenizer + image processor)
     if reference is not None:
         reference.save_pretrained(tmp / "reference")
@@ -33,7 +34,7 @@ def save_policy(path: Path, model, processor, weights: dict):
     transformers; the previous contents are replaced whole."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights)
+    model.save_pretrained(tmp, state_dict=dict(weights))  # a copy: save_pretrained empties the dict it is given
     processor.save_pretrained(tmp)
     _fsync_tree(tmp)
     shutil.rmtree(path, ignore_errors=True)
