@@ -1,13 +1,20 @@
 """More than one process on CPU (gloo, 2 torchrun ranks): the data-parallel update equals the single-process one,
 and a gradient spike on one rank makes every rank skip the step."""
+import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from conftest import wait_until
 from dist_support import config, step
+from test_daemon_supervisor import START, Studio, assert_each_step_once
+from test_daemon_supervisor import config as daemon_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,3 +51,50 @@ def test_a_gradient_spike_on_one_rank_makes_every_rank_skip_the_step(tmp_path, s
         assert got["weights"] is None and got["metrics"]["breaker_tripped"] == 1.0
         assert got["metrics"]["grad_norm"] > 100
         assert all(torch.equal(got["model"][k], start[k]) for k in start)
+
+
+def rank_pid(home: Path, rank: int) -> int | None:
+    """The pid of a live rank process of a daemon run in `home` (torchrun sets RANK in its environment)."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"daemon.worker" in cmdline and str(home).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_restarts_the_attempt_from_the_checkpoint_and_loses_nothing(tmp_path):
+    """A 2-rank daemon run; rank 1 is SIGKILLed mid-run. The attempt ends naming rank 1 and its signal, the daemon
+    restarts it from the checkpoint, every step is recorded once, and the final weights equal those of the same
+    run uninterrupted (`molt train --nproc 2`): no prompt was skipped or repeated on any rank."""
+    cfg = daemon_config(16, dist={"nproc": 2})
+    studio = Studio(tmp_path / "home")
+    try:
+        run = studio.api.create_run(cfg)["id"]
+        studio.start_daemon()
+        studio.wait_step(run, 7, timeout=START + 120)
+        pid = wait_until(lambda: rank_pid(studio.home, 1), 30, message="rank 1")
+        os.kill(pid, signal.SIGKILL)
+        final = studio.api.wait_run(run, timeout=300)
+        attempts = studio.api.attempts(run)
+        print("attempts:", [(a["number"], a["cause"], a["start_step"], a["end_step"]) for a in attempts])
+        assert final["status"] == "completed", final["last_error"]
+        assert len(attempts) == 2 and attempts[0]["cause"].startswith(f"rank 1 (pid {pid}) killed by SIGKILL")
+        assert attempts[1]["start_step"] == 5
+        assert_each_step_once(studio.api, run, 16)
+        assert [v["version"] for v in studio.api.policy_versions(run)] == list(range(1, 17))
+    finally:
+        studio.close()
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "train", "--config", str(tmp_path / "run.json"),
+                           "--out", str(tmp_path / "straight")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(studio.home / "runs" / str(run) / "final").state_dict()
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    print(f"final weights, killed and resumed vs uninterrupted: max difference {diff:.3g}")
+    assert diff <= 1e-6
