@@ -145,7 +145,7 @@ class Training:
             await self.warm_start()
             if self.reference is not None:
                 self.reference.load_state_dict(self.model.state_dict())
-        self.published = _copy_weights(self.model)
+        self.published = dist.full_weights(self.model)
         self.sampler = Sampler(copy.deepcopy(self.model), self.eos_id, self.pad_id, self.cfg.loop.temperature,
                                version=self.version)
         # More than one process: the sampler and the reference stay plain copies; only the trained model is wrapped
@@ -342,7 +342,7 @@ class Training:
             dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             self.breaker.trips.clear()
             self.breaker.rollbacks += 1
-            weights = _copy_weights(self.model)
+            weights = dist.full_weights(self.model)
             action += f"; rolled back to {good.name}"
             self.sink.event("rollback", f"step {step}: rolled back to checkpoint {good.name}",
                             step=step, path=str(good))
@@ -442,7 +442,3 @@ class Training:
         self.sink.event("resumed", f"resumed from {path.name}: step {self.step}, version {self.version}, "
                         f"{sum(map(len, self.buffer))} buffered episodes, {len(self.requeued)} prompts to rerun",
                         step=self.step, path=str(path))
-
-
-def _copy_weights(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
