@@ -113,3 +113,26 @@ def test_two_ranks_learn_max_digit(tmp_path):
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
     print("2 ranks, max_digit:", {k: summary[k] for k in ("step", "eval_reward", "best_step", "reward_mean")})
     assert summary["status"] == "completed" and summary["eval_reward"] >= 0.9
+
+
+@pytest.mark.slow
+def test_stop_of_a_two_rank_run_checkpoints_both_ranks_at_one_step_then_resumes(tmp_path):
+    """The daemon's stop (SIGTERM to the launching worker; torchrun passes it to every rank): the ranks agree on
+    one step, checkpoint together and the run is `stopped`; resumed, it completes with every step recorded once."""
+    studio = Studio(tmp_path / "home")
+    try:
+        api = studio.api
+        run = api.create_run(daemon_config(40, dist={"nproc": 2}))["id"]
+        studio.start_daemon()
+        studio.wait_step(run, 8, timeout=START + 120)
+        assert api.stop_run(run)["status"] == "stopping"
+        stopped = api.wait_run(run, timeout=90)
+        assert stopped["status"] == "stopped" and 8 <= stopped["step"] < 40, stopped["last_error"]
+        assert api.checkpoints(run)[-1]["step"] == stopped["step"]
+        assert api.resume_run(run)["status"] == "queued"
+        final = api.wait_run(run, timeout=START + 120)
+        assert final["status"] == "completed", final["last_error"]
+        assert api.attempts(run)[1]["start_step"] == stopped["step"]
+        assert_each_step_once(api, run, 40)
+    finally:
+        studio.close()
