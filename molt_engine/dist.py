@@ -53,8 +53,8 @@ def prompt_index(cursor: int) -> int:
 
 
 def wrap(model, optimizer, cfg):
-    """Make `model` data-parallel (every decoder layer sharded, then the rest, with FSDP2; replicated with DDP) and
-    rebuild the optimizer over its new parameters with the state it had."""
+    """Make `model` data-parallel (sharded over the ranks with FSDP2, replicated with DDP) and point the optimizer at
+    its new parameters, with the state it had."""
     if world() == 1:
         return model, optimizer
     # (Asked of a fresh optimizer, this would give it a phantom first step: bias correction would be off by one.)
@@ -91,12 +91,15 @@ def load_weights(model, weights: dict):
 
 
 def optimizer_state(model, optimizer) -> dict:
-    """The optimizer's state as a checkpoint keeps it: whole on every rank (gathered with FSDP2)."""
-    return optimizer.state_dict() if world() == 1 else get_optimizer_state_dict(model, optimizer, options=FULL)
+    """The optimizer's state as a checkpoint keeps it: whole on every rank (gathered with FSDP2). Before its first
+    step, as it is: the gather would give it a phantom step (see wrap)."""
+    if world() == 1 or not optimizer.state:
+        return optimizer.state_dict()
+    return get_optimizer_state_dict(model, optimizer, options=FULL)
 
 
 def load_optimizer_state(model, optimizer, state: dict):
-    if world() == 1:
+    if world() == 1 or not state["state"]:
         optimizer.load_state_dict(state)
     else:
         set_optimizer_state_dict(model, optimizer, state, options=FULL)
