@@ -109,9 +109,15 @@ def launch(engine, args, number: int, nproc: int) -> int:
 
         # torchrun ends the other ranks when one dies, and they may fail on the lost peer first: all are named
         failures = sorted(e.failures.items(), key=order)
-        stacks = [f.error_file_data["message"]["extraInfo"]["py_callstack"] for _, f in failures
-                  if isinstance(f.error_file_data.get("message"), dict)]
-        cause = "; ".join(f"rank {r} (pid {f.pid}) {how(f)}: {f.message}" for r, f in failures)
+        texts, stacks = [], []
+        for r, f in failures:  # an error file's message may nest: {"message": ..., "extraInfo": {"py_callstack"}}
+            text = f.message
+            while isinstance(text, dict):
+                stacks.append(text.get("extraInfo", {}).get("py_callstack", ""))
+                text = text.get("message")
+            texts.append(f"rank {r} (pid {f.pid}) {how(f)}: {text}")
+        stacks = [s for s in stacks if s]
+        cause = "; ".join(texts)
         values = {"outcome": "error", "cause": cause[:4000],
                   "error": "\n".join(stacks[0].splitlines()[-TRACEBACK_LINES:]) if stacks else None}
         print(f"molt worker: attempt {number} ended: {cause}", flush=True)

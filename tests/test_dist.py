@@ -84,7 +84,8 @@ def test_sigkill_of_one_rank_restarts_the_attempt_from_the_checkpoint_and_loses_
         print("attempts:", [(a["number"], a["cause"], a["start_step"], a["end_step"]) for a in attempts])
         assert final["status"] == "completed", final["last_error"]
         assert len(attempts) == 2 and attempts[0]["cause"].startswith(f"rank 1 (pid {pid}) killed by SIGKILL")
-        assert attempts[1]["start_step"] == 5
+        assert "{" not in attempts[0]["cause"], "the other rank's error is named by its message, not a raw record"
+        assert attempts[1]["start_step"] % 5 == 0 and 5 <= attempts[1]["start_step"] <= attempts[0]["end_step"]
         assert_each_step_once(studio.api, run, 16)
         assert [v["version"] for v in studio.api.policy_versions(run)] == list(range(1, 17))
     finally:
