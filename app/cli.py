@@ -30,6 +30,8 @@ def main(argv=None):
     t.add_argument("--out", type=Path, help="output directory (default runs/<env>-<time>)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out (its saved config is used unless --config)")
+    t.add_argument("--nproc", type=int, help="processes (data-parallel ranks, started through torchrun); sets "
+                                             "dist.nproc")
     envs_option(t)
     t.set_defaults(func=cmd_train)
 
@@ -370,6 +372,8 @@ def cmd_train(args) -> int:
     for key, value in [("steps", args.steps), ("max_staleness", args.max_staleness)]:
         if value is not None:
             config.setdefault("loop", {})[key] = value
+    if args.nproc is not None:
+        config.setdefault("dist", {})["nproc"] = args.nproc
     try:
         cfg = RunConfig.model_validate(config)
     except ValidationError as e:
@@ -377,13 +381,28 @@ def cmd_train(args) -> int:
         return 2
     out = args.out or Path("runs") / f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.model_dump_json(indent=1))
-    sink = ProgressSink(cfg.loop.steps)
+    rank = int(os.environ.get("RANK", "0"))  # set by torchrun in each process it starts
+    if rank == 0:
+        (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+    if cfg.dist.nproc > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start them, each runs this command
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun
+        try:
+            torchrun(["--standalone", f"--nproc-per-node={cfg.dist.nproc}", "-m", "app.cli", "train",
+                      "--config", str(out / "config.json"), "--out", str(out)] + ["--resume"] * args.resume)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            print(f"molt train: rank {rank} failed: {failure.message}", file=sys.stderr)
+            return EXIT_CODES["failed"]
+        return 0
+    sink = ProgressSink(cfg.loop.steps) if rank == 0 else None
     try:
         summary = train(cfg, sink, out_dir=out, resume=args.resume)
     finally:
-        sink.bar.close()
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
+        if sink:
+            sink.bar.close()
+    if rank == 0:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
     return EXIT_CODES[summary["status"]]
 
 

@@ -28,11 +28,15 @@ def main(argv=None) -> int:
     directory = run_dir(home, args.run_id)
     directory.mkdir(parents=True, exist_ok=True)
 
+    # More than one process: this worker launches the ranks through torchrun and holds the lock; each rank runs
+    # this module too (torchrun sets RANK); rank 0 reports and records, the others only train.
+    rank = os.environ.get("RANK")
+
     # The run's lock, held until this process dies: a second worker of the same run can never train beside this
     # one, and the daemon tells a live worker from a dead one (even one it did not start) by probing the lock.
     # Retry briefly: the daemon's probe holds it for a moment.
     deadline = time.monotonic() + 5
-    while (lock := hold_lock(directory / "worker.lock", f"{os.getpid()} {args.attempt}")) is None:
+    while rank is None and (lock := hold_lock(directory / "worker.lock", f"{os.getpid()} {args.attempt}")) is None:
         if time.monotonic() > deadline:
             print(f"molt worker: another worker holds run {args.run_id}; exiting", file=sys.stderr)
             return DUPLICATE
@@ -42,14 +46,22 @@ def main(argv=None) -> int:
     with Session(engine) as s:
         attempt = s.get(Attempt, args.attempt)
         config, number = s.get(Run, args.run_id).config, attempt.number
-        s.execute(update(Attempt).where(Attempt.id == args.attempt).values(pid=os.getpid()))
-        s.execute(update(Run).where(Run.id == args.run_id).values(pid=os.getpid()))
-        s.commit()
-    print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}", flush=True)
+        if rank is None:
+            s.execute(update(Attempt).where(Attempt.id == args.attempt).values(pid=os.getpid()))
+            s.execute(update(Run).where(Run.id == args.run_id).values(pid=os.getpid()))
+            s.commit()
+    print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}"
+          + (f", rank {rank}" if rank else ""), flush=True)
+    if rank is None:
+        rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
+    nproc = config.get("dist", {}).get("nproc", 1)
+    if rank is None and nproc > 1:
+        code = launch(engine, args, number, nproc)
+        _held.append(lock)
+        return code
 
-    sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory,  # first: it beats while torch imports
-                  keep_samples=config.get("record", {}).get("keep_steps"))
-    rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
+    sink = None if rank not in (None, "0") else DbSink(  # first: it beats while torch imports
+        engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"))
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train
@@ -62,12 +74,55 @@ def main(argv=None) -> int:
         values.update(outcome="error", cause=f"{type(e).__name__}: {e}"[:4000],
                       error="\n".join(lines[-TRACEBACK_LINES:]))
         code = 1
+        if rank is not None:  # torchrun's error file, which the launching worker reads (what @record writes)
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+            get_error_handler().record_exception(e)
     finally:
-        sink.close()
+        if sink:
+            sink.close()
     print(f"molt worker: attempt {number} ended: {values['outcome']}", flush=True)
-    _record(engine, args.run_id, args.attempt, number, values, summary)
-    _held.append(lock)  # released by the kernel at exit, not before: the process is gone when the lock is free
+    if sink:
+        _record(engine, args.run_id, args.attempt, number, values, summary)
+    if rank is None:
+        _held.append(lock)  # released by the kernel at exit, not before: the process is gone when the lock is free
     return code
+
+
+def launch(engine, args, number: int, nproc: int) -> int:
+    """Run the attempt as `nproc` ranks through torchrun. It never restarts them (the daemon decides restarts) and
+    ends them all when one dies; then this records which rank died first and why (its exit, and the exception its
+    error file holds) as the attempt's cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "daemon.worker",
+                  str(args.run_id), "--attempt", str(args.attempt), "--home", str(data_home(args.home))])
+        return 0
+    except ChildFailedError as e:
+        def order(item):  # killed by a signal torchrun did not send, then raised, then stopped by torchrun
+            rank, f = item
+            signal = f.signal_name() if f.exitcode < 0 else None
+            return (signal is None) + 2 * (signal == "SIGTERM"), f.timestamp, rank
+
+        def how(f):
+            return f"killed by {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+
+        # torchrun ends the other ranks when one dies, and they may fail on the lost peer first: all are named
+        failures = sorted(e.failures.items(), key=order)
+        texts, stacks = [], []
+        for r, f in failures:  # an error file's message may nest: {"message": ..., "extraInfo": {"py_callstack"}}
+            text = f.message
+            while isinstance(text, dict):
+                stacks.append(text.get("extraInfo", {}).get("py_callstack", ""))
+                text = text.get("message")
+            texts.append(f"rank {r} (pid {f.pid}) {how(f)}: {text}")
+        stacks = [s for s in stacks if s]
+        cause = "; ".join(texts)
+        values = {"outcome": "error", "cause": cause[:4000],
+                  "error": "\n".join(stacks[0].splitlines()[-TRACEBACK_LINES:]) if stacks else None}
+        print(f"molt worker: attempt {number} ended: {cause}", flush=True)
+        _record(engine, args.run_id, args.attempt, number, values, None)
+        return 1
 
 
 def rewind_to_recorded(engine, run_id: int, root: Path):

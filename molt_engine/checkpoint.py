@@ -5,15 +5,19 @@ from pathlib import Path
 
 import torch
 
+from . import dist
 
-def save(root: Path, step: int, model, processor, state: dict, reference=None) -> Path:
-    """Write checkpoint `step-NNNNNN` under root and point `latest` at it. A crash at any moment leaves either the
-    previous complete checkpoint or this one, never a half-written directory under a checkpoint's name."""
+
+def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None) -> Path:
+    """Write checkpoint `step-NNNNNN` under root and point `latest` at it (the policy's weights are `weights` if given,
+    else `model`'s). A crash at any moment leaves either the previous complete checkpoint or this one, never a
+    half-written directory under a checkpoint's name."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "policy")
+    # A copy of the dict: save_pretrained empties the one it is given, and `weights` is still the sampler's.
+    model.save_pretrained(tmp / "policy", state_dict=dict(weights) if weights is not None else None)
     processor.save_pretrained(tmp / "policy")  # a tokenizer, or a VLM's processor (tokenizer + image processor)
     if reference is not None:
         reference.save_pretrained(tmp / "reference")
@@ -30,7 +34,7 @@ def save_policy(path: Path, model, processor, weights: dict):
     transformers; the previous contents are replaced whole."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=weights)
+    model.save_pretrained(tmp, state_dict=dict(weights))  # a copy: save_pretrained empties the dict it is given
     processor.save_pretrained(tmp)
     _fsync_tree(tmp)
     shutil.rmtree(path, ignore_errors=True)
@@ -63,7 +67,7 @@ def step_of(path: Path) -> int:
 def load(path: Path, model, reference=None) -> dict:
     """Load weights into `model` (and `reference`) in place; return the training state."""
     # The policy's own class: a causal LM or a vision-language model.
-    model.load_state_dict(type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
+    dist.load_weights(model, type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
     if reference is not None:
         reference.load_state_dict(type(reference).from_pretrained(path / "reference", dtype=torch.float32).state_dict())
     # On the CPU whatever device saved it: the optimizer moves its state to its parameters' device on load.

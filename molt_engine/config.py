@@ -157,6 +157,15 @@ class ResourcesConfig(_Strict):
                              "daemon has GPUs, else 0")
 
 
+class DistConfig(_Strict):
+    """More than one process: torchrun ranks, each sampling its share of the prompts; the update is data-parallel."""
+    nproc: int = Field(1, gt=0, description="processes (torchrun ranks) per node; loop.groups_per_step is the "
+                       "batch of all ranks together")
+    strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="ddp: every rank holds the whole model; fsdp2: "
+                                              "parameters, gradients and optimizer state sharded over the ranks")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with GPUs, else gloo")
+
+
 class RunConfig(_Strict):
     env: str
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
@@ -171,6 +180,7 @@ class RunConfig(_Strict):
     record: RecordConfig = Field(default_factory=RecordConfig)
     drills: DrillsConfig = Field(default_factory=DrillsConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
 
     @field_validator("env")
     @classmethod
@@ -190,6 +200,11 @@ class RunConfig(_Strict):
         if self.algo.minibatches > self.loop.groups_per_step:
             raise ValueError(f"algo.minibatches ({self.algo.minibatches}) must not exceed loop.groups_per_step "
                              f"({self.loop.groups_per_step}): a minibatch holds whole groups")
+        share = self.loop.groups_per_step // self.dist.nproc  # each rank's groups per step
+        if self.loop.groups_per_step % self.dist.nproc or self.algo.minibatches > share:
+            raise ValueError(f"loop.groups_per_step ({self.loop.groups_per_step}) must split evenly over dist.nproc "
+                             f"({self.dist.nproc}) ranks, into at least algo.minibatches ({self.algo.minibatches}) "
+                             f"groups each")
         from .envs import ENVS, make_env, where
         if ENVS[self.env].chat and not _has_chat_template(self.model):
             raise ValueError(f"env {self.env!r} speaks chat messages, but the policy's tokenizer has no chat template "

@@ -30,11 +30,12 @@ def spike_gradient(drills, step: int, model):
     """Add a gradient of norm spike_norm in a random direction, so that it spikes even a zero gradient."""
     if step not in drills.spike_at:
         return
-    params = [p for p in model.parameters() if p.grad is not None]
-    noise = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step + i)) for i, p in enumerate(params)]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2: this rank's shard
+    noise = [torch.randn(g.shape, generator=torch.Generator().manual_seed(step + i)) for i, g in enumerate(grads)]
     scale = drills.spike_norm / float(torch.sqrt(sum((n ** 2).sum() for n in noise)))
-    for p, n in zip(params, noise):
-        p.grad.add_(n * scale)
+    for g, n in zip(grads, noise):
+        g.add_((n * scale).to(g.device))
 
 
 def out_of_memory(drills, step: int):

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from . import checkpoint, drills
+from . import checkpoint, dist, drills
 from .alerts import Alerts
 from .algo import GROUP_ESTIMATORS
 from .breaker import Breaker
@@ -63,14 +63,18 @@ def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Pat
     """Train a policy as `config` says; returns a summary with a status. Invalid config raises pydantic's
     ValidationError. With `resume`, continue from the latest checkpoint in out_dir, if there is one."""
     cfg = config if isinstance(config, RunConfig) else RunConfig.model_validate(config)
-    return asyncio.run(Training(cfg, sink or NullSink(), out_dir).run(resume))
+    dist.init(cfg.dist)  # launched by torchrun: join its group; rank 0 reports, the others only train
+    try:
+        return asyncio.run(Training(cfg, sink if sink and dist.rank() == 0 else NullSink(), out_dir).run(resume))
+    finally:
+        dist.close()
 
 
 class Training:
     """One training run: schedules rollout, sampling, updates, evals and checkpoints, and keeps their books."""
 
     def __init__(self, cfg: RunConfig, sink: Sink, out_dir=None):
-        self.cfg, self.sink = cfg, sink
+        self.cfg, self.sink = dist.local_config(cfg), sink  # more than one process: this rank's share of the loop
         torch.set_num_threads(cfg.loop.threads)
         self.out_dir = Path(out_dir) if out_dir else None
         self.model, self.processor = load_policy(cfg.model, cfg.seed)
@@ -151,11 +155,13 @@ class Training:
         device, dtype = next(self.model.parameters()).device, self.cfg.model.dtype
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
         self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype)
-        self.published = _copy_weights(self.model)
+        self.published = dist.full_weights(self.model)
         # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device.
         self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.stops,
                                self.pad_id, self.cfg.loop.temperature, version=self.version,
                                kv_budget_gb=self.cfg.loop.kv_budget_gb)
+        # More than one process: the sampler and the reference stay plain copies; only the trained model is wrapped
+        self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)
 
     async def warm_start(self):
         ws = self.cfg.warm_start
@@ -212,8 +218,9 @@ class Training:
 
     async def run_group(self, cursor: int) -> list[Episode] | None:
         """group_size episodes of one prompt, concurrently. Env failures drop the episode; too many stop the run."""
-        seed = (self.cfg.seed << 32) + cursor
-        results = await asyncio.gather(*(self.rollout.episode(self.sampler, seed, cursor, j)
+        prompt = dist.prompt_index(cursor)  # more than one process: this rank's share of the prompts
+        seed = (self.cfg.seed << 32) + prompt
+        results = await asyncio.gather(*(self.rollout.episode(self.sampler, seed, prompt, j)
                                          for j in range(self.cfg.loop.group_size)), return_exceptions=True)
         episodes = []
         for r in results:
@@ -236,13 +243,15 @@ class Training:
         loop = self.cfg.loop
         last = time.perf_counter()
         sampler_last = dict(self.sampler.stats)
-        while self.step < loop.steps and not self.stopping:
+        # More than one process: a rank's stop request waits for the ranks to agree (below), so all stop together
+        while self.step < loop.steps and not (self.stopping and dist.world() == 1):
             step = self.step
-            if loop.eval_every and step % loop.eval_every == 0 and not (self.eval_task and not self.eval_task.done()):
+            if (loop.eval_every and step % loop.eval_every == 0 and not (self.eval_task and not self.eval_task.done())
+                    and dist.rank() == 0):
                 self.eval_task = asyncio.create_task(self.evaluate(step))  # never awaited here: eval never blocks
             drills.crash_or_hang(self.cfg.drills, step, self.out_dir)
             batch = await self.next_batch()
-            if batch is None:  # stop requested while waiting for rollouts
+            if await self.agree_stop(batch):  # stop requested while waiting for rollouts
                 break
             groups, waited = batch
             micro = self.micro_batch_size
@@ -258,6 +267,8 @@ class Training:
             metrics["version"] = float(version)
             now = time.perf_counter()
             metrics.update(self.throughput(groups, now - last, waited, sampler_last))
+            if dist.world() > 1:
+                metrics = await asyncio.to_thread(dist.reduce_metrics, metrics)
             last, sampler_last = now, dict(self.sampler.stats)
             for kind, message, data in self.alerts.check(step, metrics, sum(len(g) for g in groups)):
                 self.sink.alert(kind, message, **data)
@@ -268,7 +279,7 @@ class Training:
             every = self.cfg.checkpoint.every
             if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
                 # Before publishing: admission is still closed, so (on-policy) nothing is in flight.
-                await self.save_checkpoint(version)
+                await self.save_checkpoint(version, weights or self.published)
             async with self.changed:
                 if weights is not None:
                     self.version, self.published = version, weights
@@ -276,7 +287,7 @@ class Training:
                 self.changed.notify_all()
         if self.stopping:
             if self.ckpt_dir and self.step > 0 and self.saved_at != self.step:
-                await self.save_checkpoint(self.version)
+                await self.save_checkpoint(self.version, self.published)
             self.sink.event("stopped", f"stopped at step {self.step}; resume continues from here", step=self.step)
             self.summary.update(status="stopped", step=self.step, version=self.version)
             raise _Finished
@@ -293,6 +304,14 @@ class Training:
         samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
                                    self.version)
         return {**batch_metrics(groups, self.version), **metrics}, weights, samples
+
+    async def agree_stop(self, batch) -> bool:
+        """Stop now? More than one process: if any rank was asked, all stop at this step (a batch taken goes back)."""
+        stop = batch is None if dist.world() == 1 else await asyncio.to_thread(dist.any_rank, batch is None)
+        if stop and batch is not None:
+            self.buffer[:0] = batch[0]
+        self.stopping |= stop
+        return stop
 
     async def next_batch(self) -> tuple[list[list[Episode]], float] | None:
         """Take groups_per_step groups, dropping (and counting) those that are too stale or carry no signal.
@@ -339,10 +358,10 @@ class Training:
                 self.summary.update(metrics, status="tripped", step=self.step, version=self.version)
                 raise _Finished
             state = await asyncio.to_thread(checkpoint.load, good, self.model, self.reference)
-            self.optimizer.load_state_dict(state["optimizer"])
+            dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             self.breaker.trips.clear()
             self.breaker.rollbacks += 1
-            weights = _copy_weights(self.model)
+            weights = dist.full_weights(self.model)
             action += f"; rolled back to {good.name}"
             self.sink.event("rollback", f"step {step}: rolled back to checkpoint {good.name}",
                             step=step, path=str(good))
@@ -381,49 +400,53 @@ class Training:
             if self.best is None or values["eval_reward"] > self.best[0]:
                 self.best = (values["eval_reward"], step)
                 if self.out_dir:
-                    await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.model, self.processor,
-                                            weights)
+                    await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.sampler.model,
+                                            self.processor, weights)
                     self.summary.update(best_path=str(self.out_dir / "best"), best_step=step)
 
     async def finish(self):
         """Final eval on the final weights, then save them where plain transformers can load them."""
         if self.eval_task:
             await self.eval_task
-        if self.cfg.loop.eval_every:
+        if self.cfg.loop.eval_every and dist.rank() == 0:  # more than one process: rank 0 evaluates and saves
             await self.evaluate(self.step)
         self.summary["status"] = "completed"
-        if self.out_dir:
+        if self.out_dir and dist.rank() == 0:
             final = self.out_dir / "final"
-            self.model.save_pretrained(final)
-            self.processor.save_pretrained(final)
+            await asyncio.to_thread(checkpoint.save_policy, final, self.sampler.model, self.processor,
+                                    self.published)
             self.sink.event("saved", f"final policy saved to {final}", path=str(final))
             self.summary["final_path"] = str(final)
         raise _Finished
 
     # ---- checkpoints ----------------------------------------------------------------------------------------------
 
-    async def save_checkpoint(self, version: int):
-        """Everything needed to continue exactly: weights, optimizer, RNGs, prompt cursor, untrained episodes."""
+    async def save_checkpoint(self, version: int, weights: dict):
+        """Everything needed to continue exactly: weights, optimizer, RNGs, prompt cursor, untrained episodes.
+        More than one process: rank 0 writes the full weights and every rank's own state."""
         state = {
             "step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
             "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
             "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
             "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
             **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
-            "optimizer": self.optimizer.state_dict(),
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
         }
         t0 = time.perf_counter()
-        path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.model, self.processor, state,
-                                       self.reference)
-        await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep)
+        state = await asyncio.to_thread(dist.gather_ranks, state)
+        state["optimizer"] = await asyncio.to_thread(dist.optimizer_state, self.model, self.optimizer)
         self.saved_at = self.step
+        if dist.rank() > 0:
+            return
+        path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.sampler.model, self.processor,
+                                       state, self.reference, weights)
+        await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep)
         self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
                              seconds=time.perf_counter() - t0)
 
     def restore(self, path: Path):
-        state = checkpoint.load(path, self.model, self.reference)
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = dist.rank_state(checkpoint.load(path, self.model, self.reference))
+        dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
         self.dropped_groups, self.requeued = state["dropped_groups"], state["requeued"]
         self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
@@ -439,7 +462,3 @@ class Training:
         self.sink.event("resumed", f"resumed from {path.name}: step {self.step}, version {self.version}, "
                         f"{sum(map(len, self.buffer))} buffered episodes, {len(self.requeued)} prompts to rerun",
                         step=self.step, path=str(path))
-
-
-def _copy_weights(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import drills
+from . import dist, drills
 from .algo import GROUP_ESTIMATORS, advantages, policy_loss
 from .episode import Episode, collate, to_device, token_logprobs, uncollated
 from .models import routers, routing_stats
@@ -59,6 +59,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
     starts = [sum(len(g) for g in groups[:b]) for b in bounds]
     parts = [_Minibatch(episodes, adv, range(a, b), algo.kl_coef, pad_id, micro_batch_size, device)
              for a, b in zip(starts, starts[1:])]
+    # More than one process: the token mean is over every rank's minibatch (the all-reduce averages the gradients)
+    for part, tokens in zip(parts, dist.all_sum([p.action_tokens for p in parts])):
+        part.action_tokens = tokens / dist.world()
     with torch.no_grad(), _autocast(cfg, device):  # the proximal log-probs of minibatches after the first
         for part in parts[1:]:                     # before any optimizer step
             part.prox = [_logprobs(model, batch, cfg, stats=False)[0] for batch in part.batches]
@@ -91,9 +94,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
             for key, value in {**stats, **moe_metrics}.items():
                 run[key] = run.get(key, 0.0) + weight * value
             run["policy_loss"] = run.get("policy_loss", 0.0) + loss.item()
-        if first:
+        if first and dist.rank() == 0:  # one rank's gradient: every rank must still skip the step
             drills.spike_gradient(cfg.drills, step, model)
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)))
+        norms.append(dist.clip_grad_norm(model, algo.max_grad_norm))
         runs.append(run)
         if breaker.refuses(norms[-1]):
             break
@@ -102,13 +105,13 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
     optimizer.zero_grad(set_to_none=True)
     grad_norm = math.nan if any(math.isnan(n) for n in norms) else max(norms)
     tripped = breaker.check(step, grad_norm)
-    weights = None if tripped else {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = None if tripped else dist.full_weights(model)
     if weights is not None and not all(torch.isfinite(v).all() for v in weights.values()):
         # Never publish (or checkpoint) non-finite weights: count a trip.
         breaker.check(step, math.nan)
         tripped, weights = True, None
     if tripped:  # back to the last published weights (Adam's moments keep what earlier minibatches added)
-        model.load_state_dict(published)
+        dist.load_weights(model, published)
     metrics = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
     metrics.update(grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"], breaker_tripped=float(tripped),
                    trained_fraction=sum(p.trained for p in parts) / len(episodes))
