@@ -5,153 +5,25 @@ import inspect
 import io
 import math
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from sqlalchemy import select
 
-from daemon.records import Conflict, RunNotFound, RunRequest
 from daemon.models import STATUSES, TERMINAL, Metric
+from daemon.records import Conflict, RunNotFound, RunRequest
 from molt_engine.envs import ENVS, load_user_envs
 
+from .schemas import (AlertOut, AttemptOut, BadRequest, CheckpointOut, EnvInfo, EventOut, Health, Invalid, MetricsOut,
+                      Problem, RunOut, SampleOut, SamplesOut, SampleStep)
 from .series import encode_values
 
-# A metric value: a number, or one of the strings JSON needs for NaN and the infinities (see series.py).
-Number = Annotated[float, WithJsonSchema({"anyOf": [{"type": "number"},
-                                                    {"type": "string", "enum": ["NaN", "Infinity", "-Infinity"]}]})]
 RunId = Annotated[int, Path(ge=1, le=2**62, description="the run's id")]
 AlertId = Annotated[int, Path(ge=1, le=2**62, description="the alert's id")]
-
-
-class Out(BaseModel):
-    # ser_json_inf_nan: a NaN/inf reaching a response becomes "NaN"/"Infinity" instead of breaking the JSON
-    model_config = ConfigDict(ser_json_inf_nan="strings")
-
-
-class Health(Out):
-    status: Literal["ok", "degraded"] = Field(description="ok: the web server and the daemon are both alive")
-    version: str
-    daemon: dict[str, Any]
-    time: float
-
-
-class EnvInfo(Out):
-    name: str
-    description: str
-    max_turns: int
-    max_tokens: int
-    source: str | None = Field(description="the file of a user's env (from --envs); null for a built-in one")
-    chat: bool = Field(False, description="speaks chat messages through the policy's chat template (needs one)")
-    tools: list[str] = Field(default_factory=list, description="the tools a chat env's policy calls natively")
-
-
-class RunOut(Out):
-    id: int
-    name: str
-    status: Literal[STATUSES]
-    config: dict[str, Any]
-    tags: list[str]
-    step: int
-    total_steps: int
-    version: int
-    reward: Number | None
-    restarts: int
-    retries: int
-    max_restarts: int
-    pid: int | None
-    last_error: str | None
-    summary: dict[str, Any] | None
-    alerts_open: int
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    next_start_at: float | None
-
-
-class SeriesOut(Out):
-    step: list[int]
-    value: list[Number]
-    time: list[float]
-
-
-class MetricsOut(Out):
-    run_id: int
-    names: list[str] = Field(description="every metric name the run has recorded")
-    series: dict[str, SeriesOut]
-    downsampled: bool = Field(description="true when some series had more than max_points points")
-
-
-class AlertOut(Out):
-    id: int
-    run_id: int
-    time: float
-    step: int | None
-    kind: str
-    message: str
-    data: dict[str, Any]
-    acknowledged: bool
-
-
-class EventOut(Out):
-    id: int
-    run_id: int
-    time: float
-    step: int | None
-    kind: str
-    source: str
-    message: str
-    data: dict[str, Any]
-
-
-class AttemptOut(Out):
-    id: int
-    run_id: int
-    number: int
-    pid: int | None
-    started_at: float
-    ended_at: float | None
-    heartbeat_at: float | None
-    start_step: int | None
-    outcome: str | None
-    exit_code: int | None
-    signal: str | None
-    cause: str | None
-    error: str | None
-    log_path: str | None
-
-
-class CheckpointOut(Out):
-    id: int
-    run_id: int
-    step: int
-    path: str
-    size_bytes: int | None
-    version: int | None
-    time: float
-    exists: bool
-
-
-class Problem(BaseModel):
-    detail: str
-
-
-class FieldError(BaseModel):
-    loc: list[str | int] = Field(description='where: ["body", "config", "loop", "steps"], ["query", "status"]')
-    msg: str
-    type: str
-
-
-class Invalid(BaseModel):
-    detail: list[FieldError]
-
-
-class BadRequest(BaseModel):
-    detail: str | list[FieldError]
 
 
 def _problem(description: str) -> dict:
@@ -385,53 +257,6 @@ def found(call, *args, **kwargs):
 
 
 # ---- samples ------------------------------------------------------------------------------------------------------
-
-class SampleTokens(Out):
-    """The episode's tokens, column-wise. Log-probs and entropy are null for non-action tokens (prompt, env text),
-    trainer_logprob also for an episode that skipped the training forward (advantage 0) or an eval's; version is
-    -1 for non-action tokens."""
-    id: list[int]
-    text: list[str] = Field(description="each token decoded on its own")
-    action: list[bool] = Field(description="generated by the policy (trained), or not (prompt, env feedback)")
-    logprob: list[Number | None] = Field(description="behaviour log-prob, recorded when the token was sampled")
-    trainer_logprob: list[Number | None] = Field(description="the trainer's log-prob of the token (before its update)")
-    version: list[int] = Field(description="the policy version that sampled the token")
-    entropy: list[Number | None] = Field(description="entropy of the distribution the token was sampled from")
-
-
-class SampleOut(Out):
-    id: int
-    run_id: int
-    step: int
-    kind: Literal["train", "eval"]
-    position: int
-    group_id: int = Field(description="the prompt's training group (its cursor); -1 for eval")
-    seed: int
-    version: int = Field(description="the trainer's version; a token's staleness is this minus its version")
-    reward: Number | None
-    advantage: Number | None
-    success: bool
-    turns: int
-    tool_calls: int
-    tool_errors: int
-    prompt: str
-    text: str
-    tokens: SampleTokens
-    images: list[str] = Field(description="PNG thumbnails as data: URLs, in the order of their tokens")
-    time: float
-
-
-class SamplesOut(Out):
-    run_id: int
-    samples: list[SampleOut]
-    next_cursor: int | None = Field(description="pass as `cursor` for the next page; null on the last page")
-
-
-class SampleStep(Out):
-    step: int
-    kind: Literal["train", "eval"]
-    count: int
-
 
 def sample_filters(
         step: Annotated[int | None, Query(ge=0, le=2**62)] = None,

@@ -9,7 +9,6 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,28 +25,8 @@ from .models import load_policy, routers
 from .rollout import EnvError, Rollout
 from .sampler import Sampler
 from .samples import record, training_samples
-from .update import batch_metrics, env_metrics, memory_metrics, train_step_fitting
-
-EVAL_SEEDS = 1 << 62        # held-out prompts: training seeds are (run seed << 32) + cursor, far below this
-
-
-class Sink(Protocol):
-    """Where the engine reports. The CLI prints; the daemon writes the database."""
-    def metrics(self, step: int, values: dict[str, float]) -> None: ...
-    def alert(self, kind: str, message: str, **data) -> None: ...
-    def event(self, kind: str, message: str, **data) -> None: ...
-    def checkpoint(self, step: int, path: str, **info) -> None: ...
-    def samples(self, step: int, kind: str, records: list[dict]) -> None: ...  # optional; kind "train" or "eval"
-    def heartbeat(self) -> None: ...  # optional; about every second while the event loop is alive
-
-
-class NullSink:
-    def metrics(self, step, values): pass
-    def alert(self, kind, message, **data): pass
-    def event(self, kind, message, **data): pass
-    def checkpoint(self, step, path, **info): pass
-    def samples(self, step, kind, records): pass
-    def heartbeat(self): pass
+from .sink import NullSink, Sink
+from .update import batch_metrics, eval_metrics, memory_metrics, train_step_fitting
 
 
 class EnvFailure(RuntimeError):
@@ -388,10 +367,7 @@ class Training:
                                          for i in range(n)), return_exceptions=True)
         episodes = [r for r in results if isinstance(r, Episode)]
         if episodes:
-            values = {"eval_reward": sum(e.reward for e in episodes) / len(episodes),
-                      "eval_pass_rate": sum(e.info["success"] for e in episodes) / len(episodes),
-                      "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
-                      **{f"eval_{k}": v for k, v in env_metrics(episodes).items()}}
+            values = eval_metrics(episodes)
             self.sink.metrics(step, values)
             if hasattr(self.sink, "samples"):
                 self.sink.samples(step, "eval", [record(e, self.processor, self.version)

@@ -197,6 +197,15 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
     }
 
 
+def eval_metrics(episodes: list[Episode]) -> dict:
+    """An eval's numbers: reward, pass rate, tool-call rate and the env's own metrics, each `eval_`-prefixed."""
+    n = len(episodes)
+    return {"eval_reward": sum(e.reward for e in episodes) / n,
+            "eval_pass_rate": sum(e.info["success"] for e in episodes) / n,
+            "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
+            **{f"eval_{k}": v for k, v in env_metrics(episodes).items()}}
+
+
 def env_metrics(episodes: list[Episode]) -> dict:
     """Chat envs' counts over the batch (tool_errors, template_prefix_breaks), and the means of the metrics envs
     report in Result.info["metrics"] (e.g. accuracy_strict) over the episodes that report them."""

@@ -15,6 +15,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlmodel import Session
+
+from daemon.models import Attempt
+from daemon.records import Records
+from daemon.sink import DbSink
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = {"env": "max_digit", "loop": {"steps": 30, "groups_per_step": 4, "group_size": 4, "eval_every": 0},
@@ -164,3 +169,42 @@ def hook():
     receiver = WebhookReceiver()
     yield receiver
     receiver.close()
+
+
+# ---- the app in a thread over a real SQLite, for the REST and page tests (import `web` into a module to use it) ------
+
+TOKEN = "test-token-1234"
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory, hook):
+    home = tmp_path_factory.mktemp("home")
+    with web_thread(home, TOKEN, webhook_url=hook.url, public_url="http://molt.example") as (base, app):
+        client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        yield {"base": base, "app": app, "client": client, "records": Records(home), "home": home}
+        client.close()
+
+
+def new_run(web, name=None, config=FAST) -> dict:
+    response = web["client"].post("/api/v1/runs", json={"config": config, **({"name": name} if name else {})})
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+def sink_for(web, run_id) -> DbSink:
+    """The daemon's database sink, as a worker of this run would hold it."""
+    api = web["records"]
+    with Session(api.engine) as s:
+        attempt = Attempt(run_id=run_id, number=len(api.attempts(run_id)) + 1)
+        s.add(attempt)
+        s.commit()
+        attempt_id = attempt.id
+    return DbSink(api.engine, run_id, attempt_id, flush_every=0.05)
+
+
+def logged_in(web) -> tuple[httpx.Client, str]:
+    browser = httpx.Client(base_url=web["base"], timeout=10)
+    browser.post("/login", data={"token": TOKEN})
+    page = browser.get("/runs/new").text
+    csrf = page.split('name="csrf_token" value="')[1].split('"')[0]
+    return browser, csrf

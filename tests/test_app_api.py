@@ -3,7 +3,6 @@ written through the daemon's own sink, as a worker writes them)."""
 import asyncio
 import json
 import math
-import re
 
 import fastapi.routing
 import httpx
@@ -13,17 +12,10 @@ from fastapi.routing import APIRoute
 from starlette.routing import WebSocketRoute
 
 from app.auth import SESSION_COOKIE, load_or_create_token
-from app.pages import machine_gpus
 from app.series import bucket_extremes
-from app_support import FAST, hook, web_thread  # noqa: F401 (hook is a fixture)
+from app_support import FAST, TOKEN, hook, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
-from daemon.records import Records
-from daemon.models import Attempt, Run
-from daemon.sink import DbSink
-from sqlalchemy import update
 from sqlmodel import Session
-
-TOKEN = "test-token-1234"
 
 
 def test_a_new_token_is_saved_private_reused_and_never_reads_as_a_cli_flag(tmp_path, monkeypatch):
@@ -34,32 +26,6 @@ def test_a_new_token_is_saved_private_reused_and_never_reads_as_a_cli_flag(tmp_p
     assert load_or_create_token(tmp_path / "home0") == tokens[0]
     monkeypatch.setenv("MOLT_TOKEN", "from-env")
     assert load_or_create_token(tmp_path / "home0") == "from-env"
-
-
-@pytest.fixture(scope="module")
-def web(tmp_path_factory, hook):
-    home = tmp_path_factory.mktemp("home")
-    with web_thread(home, TOKEN, webhook_url=hook.url, public_url="http://molt.example") as (base, app):
-        client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-        yield {"base": base, "app": app, "client": client, "api": Records(home), "home": home}
-        client.close()
-
-
-def new_run(web, name=None, config=FAST) -> dict:
-    response = web["client"].post("/api/v1/runs", json={"config": config, **({"name": name} if name else {})})
-    assert response.status_code == 201, response.text
-    return response.json()
-
-
-def sink_for(web, run_id) -> DbSink:
-    """The daemon's database sink, as a worker of this run would hold it."""
-    api = web["api"]
-    with Session(api.engine) as s:
-        attempt = Attempt(run_id=run_id, number=len(api.attempts(run_id)) + 1)
-        s.add(attempt)
-        s.commit()
-        attempt_id = attempt.id
-    return DbSink(api.engine, run_id, attempt_id, flush_every=0.05)
 
 
 # ---- C. security ------------------------------------------------------------------------------------------------------
@@ -128,108 +94,6 @@ async def ws_first(url, **kw):
         return json.loads(await ws.recv())
 
 
-def test_pages_redirect_to_login_and_the_login_sets_a_strict_httponly_cookie(web):
-    run = new_run(web)
-    with httpx.Client(base_url=web["base"], timeout=10) as browser:
-        for path in ["/", "/runs/new", f"/runs/{run['id']}", "/compare", f"/runs/{run['id']}/panels/alerts"]:
-            response = browser.get(path)
-            assert response.status_code == 303 and response.headers["location"].startswith("/login"), path
-        assert browser.post("/login", data={"token": "wrong"}).status_code == 401
-        response = browser.post("/login", data={"token": TOKEN, "next": "//evil.example/x"})
-        assert response.status_code == 303 and response.headers["location"] == "/"  # no open redirect
-        cookie = response.headers["set-cookie"].lower()
-        assert "httponly" in cookie and "samesite=strict" in cookie and TOKEN.lower() not in cookie
-        assert browser.get("/").status_code == 200
-        # the printed URL: ?token= swaps itself for the cookie and leaves the address bar
-        fresh = httpx.Client(base_url=web["base"], timeout=10)
-        response = fresh.get(f"/runs/{run['id']}?x=time&token={TOKEN}")
-        assert response.status_code == 303 and response.headers["location"] == f"/runs/{run['id']}?x=time"
-        assert fresh.get(response.headers["location"]).status_code == 200
-
-
-def logged_in(web) -> tuple[httpx.Client, str]:
-    browser = httpx.Client(base_url=web["base"], timeout=10)
-    browser.post("/login", data={"token": TOKEN})
-    page = browser.get("/runs/new").text
-    csrf = page.split('name="csrf_token" value="')[1].split('"')[0]
-    return browser, csrf
-
-
-def test_a_cross_site_form_post_is_rejected(web):
-    browser, csrf = logged_in(web)
-    form = {"env": "max_digit", "preset": "tiny-dense", "steps": "7", "name": "csrf-probe"}
-    before = len(web["api"].list_runs())
-    # another site's page posting our form: the browser would send its Origin and (with SameSite=Lax) the cookie
-    assert browser.post("/runs/new", data={**form, "csrf_token": csrf},
-                        headers={"Origin": "https://evil.example"}).status_code == 403
-    assert browser.post("/runs/new", data=form).status_code == 403                       # no CSRF token
-    assert browser.post("/runs/new", data={**form, "csrf_token": "0" * 64}).status_code == 403
-    assert browser.post("/api/v1/runs", json={"config": FAST}).status_code == 403        # cookie alone, JSON API
-    assert browser.post("/login", data={"token": TOKEN}, headers={"Origin": "https://evil.example"}).status_code == 403
-    assert len(web["api"].list_runs()) == before
-    # the same form from our own page goes through
-    response = browser.post("/runs/new", data={**form, "csrf_token": csrf}, headers={"Origin": web["base"]})
-    assert response.status_code == 303, response.text
-    assert web["api"].list_runs()[0]["name"] == "csrf-probe"
-
-
-def test_the_launch_form_shows_each_error_at_its_input_by_the_rules_of_the_api(web):
-    browser, csrf = logged_in(web)
-    form = {"env": "max_digit", "preset": "tiny-dense", "steps": "0", "max_restarts": "101", "csrf_token": csrf,
-            "tags": ", ".join(f"t{i}" for i in range(51)), "advanced": '{"algo": {"lr": false}}'}
-    before = len(web["api"].list_runs())
-    response = browser.post("/runs/new", data=form)
-    assert response.status_code == 422
-    errors = dict(re.findall(r'data-field="(\w+)">([^<]*)<', response.text))
-    assert errors["steps"].startswith("loop.steps: ") and errors["lr"].startswith("algo.lr: ")
-    assert errors["tags"].startswith("tags: ") and errors["max_restarts"].startswith("max_restarts: ")
-    assert 'value="101"' in response.text, "what the user typed is kept"
-    assert len(web["api"].list_runs()) == before
-
-
-def test_the_runs_page_pages_through_every_run(web):
-    ids = [new_run(web, name=f"paged-{i}")["id"] for i in range(105)]
-    browser, _ = logged_in(web)
-    shown, url = [], "/"
-    while url:
-        html = browser.get(url.replace("&amp;", "&")).text
-        shown += [int(i) for i in re.findall(r'data-run-id="(\d+)"', html)]
-        url = (re.findall(r'<a href="([^"]+)">older runs', html) or [None])[0]
-    assert set(ids) <= set(shown) and len(shown) == len(set(shown)) == len(web["api"].list_runs())
-    assert shown == sorted(shown, reverse=True)
-    page = web["client"].get("/api/v1/runs", params={"limit": 3, "before": ids[-1]}).json()
-    assert [r["id"] for r in page] == ids[-4:-1][::-1]
-
-
-def test_pages_run_in_the_thread_pool_not_on_the_event_loop():
-    """SQLite reads are synchronous: a page handler on the event loop would stall every websocket meanwhile."""
-    from app.pages import router
-    pages = [r for r in router.routes if r.path not in ("/login", "/logout")]  # these two read no records
-    assert len(pages) >= 8
-    assert not [r.path for r in pages if asyncio.iscoroutinefunction(r.endpoint)]
-
-
-def test_openapi_documents_an_alert_id_as_an_alert_id(web):
-    ack = web["client"].get("/openapi.json").json()["paths"]["/api/v1/runs/{run_id}/alerts/{alert_id}/ack"]["post"]
-    described = {p["name"]: p["description"] for p in ack["parameters"]}
-    assert described == {"run_id": "the run's id", "alert_id": "the alert's id"}
-
-
-def test_a_script_in_a_run_name_renders_escaped(web):
-    evil = "<script>alert(1)</script>"
-    run = new_run(web, name=evil)
-    sink = sink_for(web, run["id"])
-    sink.alert("breaker", evil, step=1)
-    sink.close()
-    browser, _ = logged_in(web)
-    for path in ["/", f"/runs/{run['id']}", f"/compare?ids={run['id']}", f"/runs/{run['id']}/panels/alerts",
-                 f"/runs/new?clone={run['id']}", "/partials/runs"]:
-        html = browser.get(path).text
-        assert evil not in html, path
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in browser.get(f"/runs/{run['id']}").text
-    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in browser.get(f"/runs/{run['id']}/panels/alerts").text
-
-
 # ---- D. bad input -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, field", [
@@ -269,7 +133,7 @@ def test_stop_and_resume_answer_202_and_409_when_the_status_forbids(web):
     response = web["client"].post(f"/api/v1/runs/{run['id']}/resume")
     assert response.status_code == 202 and response.json()["status"] == "queued"
     web["client"].post(f"/api/v1/runs/{run['id']}/stop")
-    with Session(web["api"].engine) as s:  # a completed run cannot be resumed
+    with Session(web["records"].engine) as s:  # a completed run cannot be resumed
         from daemon.db import set_run
         set_run(s, run["id"], None, status="completed")
         s.commit()
@@ -319,10 +183,10 @@ def test_a_long_series_is_downsampled_from_its_summary_keeping_spikes_nan_and_in
     """Long enough for the summary path (app/series.py bucket_extremes); the same guarantees as the full path."""
     run = new_run(web)
     n, special = 40_000, {12_345: 500.0, 23_456: None, 34_567: math.inf, 35_678: -math.inf, 39_999: -7.0}
-    with web["api"].engine.begin() as c:   # None: SQLite's NULL, which is NaN
+    with web["records"].engine.begin() as c:   # None: SQLite's NULL, which is NaN
         c.exec_driver_sql("INSERT INTO metric (run_id, name, step, value, time) VALUES (?, 'grad_norm', ?, ?, ?)",
                           [(run["id"], i, special.get(i, 1.0 + (i % 7) * 0.01), 1e9 + i) for i in range(n)])
-    with web["api"].engine.connect() as c:
+    with web["records"].engine.connect() as c:
         assert bucket_extremes(c, run["id"], "grad_norm", 0, enough=300) is not None  # the path under test
     url = f"/api/v1/runs/{run['id']}/metrics"
     for after_step, kept in [(None, special), (12_345 - 3, special), (12_345, {k: v for k, v in special.items()
@@ -347,7 +211,7 @@ def test_websocket_backfills_then_pushes_metrics_alerts_and_status(web):
     for step in range(5):
         sink.metrics(step, {"reward_mean": step / 10, "version": float(step)})
     sink.close()
-    wait_until(lambda: len(web["api"].metrics(run["id"], names=["reward_mean"])) == 5, 10)
+    wait_until(lambda: len(web["records"].metrics(run["id"], names=["reward_mean"])) == 5, 10)
     url = web["base"].replace("http", "ws") + f"/ws/runs/{run['id']}?after_step=1"
 
     async def scenario():
@@ -448,28 +312,3 @@ def test_a_resumed_run_rewriting_its_steps_pushes_the_new_values(web):
     assert asyncio.run(scenario()) == {step: 1.0 for step in range(5, 10)}
     after = web["client"].get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "reward_mean"}).json()
     assert after["series"]["reward_mean"]["value"] == [0.0] * 5 + [1.0] * 5
-
-
-def test_pages_load_nothing_from_other_hosts(web):
-    """Static assets are vendored: no page may pull a script, style or image from a CDN."""
-    run = new_run(web)
-    browser, _ = logged_in(web)
-    for path in ["/", "/runs/new", f"/runs/{run['id']}", f"/compare?ids={run['id']}", "/docs", "/login"]:
-        html = browser.get(path).text
-        external = re.findall(r"""(?:src|href)\s*=\s*["'](?:https?:)?//[^"']+""", html)
-        assert external == [], (path, external)
-        for asset in re.findall(r"""(?:src|href)\s*=\s*["'](/static/[^"']+)""", html):
-            assert browser.get(asset).status_code == 200, asset
-
-
-def test_the_runs_list_and_run_page_show_a_runs_gpus_and_no_machine_panel_without_nvml(web):
-    run = new_run(web, name="on-gpus")
-    with Session(web["api"].engine) as s:  # what the daemon records as it starts the worker
-        s.execute(update(Run).where(Run.id == run["id"]).values(gpus="0,1"))
-        s.commit()
-    browser, _ = logged_in(web)
-    rows = browser.get("/partials/runs").text
-    row = rows.split(f'data-run-id="{run["id"]}"')[1].split("</tr>")[0]
-    assert "<td>0,1</td>" in row
-    assert '<b id="run-gpus">0,1</b>' in browser.get(f"/runs/{run['id']}").text
-    assert ('class="machine"' in browser.get("/").text) == bool(machine_gpus())
