@@ -35,7 +35,7 @@ COPY daemon ./daemon
 COPY app ./app
 COPY templates ./templates
 COPY migrations ./migrations
-RUN pip install --no-cache-dir -c constraints.txt ".[gpu]" \
+RUN pip install --no-cache-dir -c constraints.txt . \
     && rm -rf /src/*
 
 WORKDIR /home/molt

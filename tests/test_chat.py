@@ -15,7 +15,7 @@ from molt_engine.config import ModelConfig
 from molt_engine.data import word_problems
 from molt_engine.envs import ENVS, calculator
 from molt_engine.models import CHAT_TEMPLATE, _chat_bpe, chat_tokenizer, load_policy
-from test_invariants import capture  # noqa: F401  (the fixture)
+from test_invariants import action_runs, capture  # noqa: F401  (capture: the fixture)
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 
@@ -49,17 +49,6 @@ FORGETFUL = CHAT_TEMPLATE.replace("{% elif message.role == 'assistant' %}",
                                   "(called)<|im_end|>\\n{% elif message.role == 'assistant' %}")
 
 
-def action_runs(ep):
-    """(start, end) of each maximal run of action tokens."""
-    runs, p = [], 0
-    while p < len(ep.token_ids):
-        end = p
-        while end < len(ep.token_ids) and ep.is_action[end] == ep.is_action[p]:
-            end += 1
-        if ep.is_action[p]:
-            runs.append((p, end))
-        p = end
-    return runs
 
 
 @pytest.mark.parametrize("template", ["qwen", "forgetful"])

@@ -86,6 +86,19 @@ def merging_model_dir(tmp_path):
     return fast
 
 
+
+def action_runs(ep):
+    """(start, end) of each maximal run of action tokens."""
+    runs, p = [], 0
+    while p < len(ep.token_ids):
+        end = p
+        while end < len(ep.token_ids) and ep.is_action[end] == ep.is_action[p]:
+            end += 1
+        if ep.is_action[p]:
+            runs.append((p, end))
+        p = end
+    return runs
+
 def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture, registered):
     registered(Echo)
     tokenizer = merging_model_dir(tmp_path)
@@ -101,14 +114,7 @@ def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture, regist
             n_episodes += 1
             # Every maximal run of action tokens is exactly one sampler generation, continuing exactly the context
             # before it, with its recorded log-probs.
-            runs, p = [], 0
-            while p < len(ep.token_ids):
-                end = p
-                while end < len(ep.token_ids) and ep.is_action[end] == ep.is_action[p]:
-                    end += 1
-                if ep.is_action[p]:
-                    runs.append((p, end))
-                p = end
+            runs = action_runs(ep)
             sampled = []
             for start, end in runs:
                 assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
