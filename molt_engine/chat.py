@@ -26,13 +26,14 @@ def stop_ids(tokenizer, generation_config=None) -> list[int]:
 
 
 class Template:
-    """Messages -> token ids with the policy's chat template and the env's tool schemas."""
+    """Messages -> token ids with the policy's chat template and the tools' schemas (of Python functions, or OpenAI
+    tool schemas as agents send them)."""
 
     def __init__(self, tokenizer, tools, stops: list[int]):
         if not tokenizer.chat_template:
             raise ValueError("a chat env needs a tokenizer with a chat template (a preset: tiny-chat)")
         self.tokenizer, self.stops = tokenizer, set(stops)
-        self.tools = [get_json_schema(t) for t in tools] or None
+        self.tools = [t if isinstance(t, dict) else get_json_schema(t) for t in tools] or None
 
     def ids(self, messages: list[dict], generation: bool = False) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,

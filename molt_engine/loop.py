@@ -85,7 +85,8 @@ class Training:
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
         self.recent_env_errors = deque(maxlen=cfg.loop.env_error_window)
         self.last_env_traceback = ""
-        self.counts = {"env_errors": 0, "stale_dropped": 0, "groups_filtered": 0}
+        self.counts = {"agent_errors" if self.rollout.server else "env_errors": 0, "stale_dropped": 0,
+                       "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}
         self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
@@ -104,6 +105,8 @@ class Training:
             self.capacity = workers * loop.group_size
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.sampler.run())
+                if self.rollout.server:  # an agent's requests: before the workers, which need its port
+                    tg.create_task(self.rollout.server.serve())
                 tg.create_task(self.heartbeat())
                 for _ in range(workers):
                     tg.create_task(self.rollout_worker())
@@ -204,19 +207,19 @@ class Training:
         episodes = []
         for r in results:
             if isinstance(r, EnvError):
-                self.counts["env_errors"] += 1
+                self.counts["agent_errors" if self.rollout.server else "env_errors"] += 1
                 self.last_env_traceback = str(r)
             elif isinstance(r, BaseException):
                 raise r
             else:
-                episodes.append(r)
+                episodes += r
             self.recent_env_errors.append(isinstance(r, EnvError))
         window = self.recent_env_errors
         if len(window) == window.maxlen and sum(window) > window.maxlen / 2:
             raise EnvFailure(f"{sum(window)} of the last {window.maxlen} episodes failed in env "
                              f"{self.cfg.env!r}; last error:\n{self.last_env_traceback}")
         need = 2 if self.cfg.algo.estimator in GROUP_ESTIMATORS else 1
-        return episodes if len(episodes) >= need else None
+        return episodes if sum(not e.info.get("segment") for e in episodes) >= need else None
 
     async def trainer(self):
         loop = self.cfg.loop
@@ -365,7 +368,7 @@ class Training:
         n, weights = self.cfg.loop.eval_episodes, self.published
         results = await asyncio.gather(*(self.rollout.episode(self.sampler, EVAL_SEEDS + i, -1, 0, greedy=True)
                                          for i in range(n)), return_exceptions=True)
-        episodes = [r for r in results if isinstance(r, Episode)]
+        episodes = [e for r in results if isinstance(r, list) for e in r]
         if episodes:
             values = eval_metrics(episodes)
             self.sink.metrics(step, values)

@@ -7,10 +7,12 @@ import traceback
 
 import torch
 
+from .agents import Agent
 from .algo import masked_mean
 from .chat import Template, parser, run_tools
 from .envs import DEMO_SEEDS, make_env
 from .episode import Episode, collate, to_device, token_logprobs
+from .server import AgentServer, template_message
 
 
 class EnvError(Exception):
@@ -27,14 +29,22 @@ class Rollout:
         self.eos_id, self.stops = self.tokenizer.eos_token_id, stops
         self.context_limit = context_limit
         env = make_env(cfg.env, cfg.env_args)
-        self.notes, self.tools = list(env.notes), {tool.__name__: tool for tool in env.tools}
         self.template = Template(self.tokenizer, env.tools, stops) if env.chat else None
         self.parse = parser(cfg.model.tool_parser)
+        self.notes, self.tools, self.server = list(env.notes), {}, None
+        if isinstance(env, Agent):  # its requests come to a loopback OpenAI server (Training runs `server.serve`)
+            model = cfg.model.path.rstrip("/").rsplit("/", 1)[-1] if cfg.model.path else cfg.model.preset
+            self.server = AgentServer(self.tokenizer, stops, context_limit, self.parse, model, cfg.seed)
+        else:
+            self.tools = {tool.__name__: tool for tool in env.tools}
 
-    async def episode(self, sampler, seed: int, group: int, index: int, greedy: bool = False) -> Episode:
+    async def episode(self, sampler, seed: int, group: int, index: int, greedy: bool = False) -> list[Episode]:
         """Alternate policy turns and env steps. Generated ids go into the record as sampled, never re-encoded;
-        only env text is tokenized, and it is never trained."""
+        only env text is tokenized, and it is never trained. Returns the episode's rows: one record, or an agent's
+        segments."""
         env = make_env(self.cfg.env, self.cfg.env_args)
+        if self.server:
+            return await _env_call(self.server.episode(env, sampler, seed, group, index, greedy))
         drill = random.Random(hash((seed, index))) if self.cfg.drills.env_error_rate else None
         obs = await _env_call(env.reset(seed))
         ep = Episode(seed=seed, group=group)
@@ -68,7 +78,7 @@ class Rollout:
                     break
                 self.observe(ep, result.observation, result.images)
         info["success"] = ep.reward >= env.success_reward
-        return ep
+        return [ep]
 
     @staticmethod
     def scored(ep: Episode, result) -> bool:
@@ -132,8 +142,19 @@ class Rollout:
 
     async def demonstration(self, seed: int) -> Episode:
         env = make_env(self.cfg.env, self.cfg.env_args)
-        obs = await env.reset(seed)
         ep = Episode(seed=seed, group=-1, info={"turns": 0, "tool_calls": 0, "metrics": {}})
+        if self.server:  # an agent's demonstration is the whole conversation: each reply after what preceded it
+            history, said = [], None
+            for message in (template_message(m, i) for i, m in enumerate(env.demonstration(seed))):
+                if message["role"] == "assistant":
+                    ep.extend(self.template.after_reply(said, history[len(said):], True)[0] if said
+                              else self.template.ids(history, generation=True))
+                    ids = self.template.reply(history, message)
+                    ep.extend(ids, action=True, logprobs=[0.0] * len(ids), versions=[0] * len(ids))
+                    said = history + [message]
+                history.append(message)
+            return ep
+        obs = await env.reset(seed)
         if self.template:
             replies = iter(env.demonstration(seed))
 

@@ -24,6 +24,8 @@ class Request:
     versions: list[int] = field(default_factory=list)
     experts: list = field(default_factory=list)  # MoE: per token, the [layer][k] experts that computed its logits
     entropies: list[float] = field(default_factory=list)  # per generated token: the behaviour policy's entropy
+    top: int = 0                  # alternatives to record per generated token (an agent's top_logprobs)
+    top_logprobs: list = field(default_factory=list)  # per generated token: the `top` most likely (id, log-prob)
     row: int = -1                 # its row of the sampler's KV cache, shared by requests whose tokens are all equal
 
 
@@ -56,8 +58,8 @@ class Sampler:
         self.new_weights = (state_dict, version)
         self.wake.set()
 
-    async def generate(self, context, max_tokens, *, images=(), greedy=False, seed=0) -> Request:
-        req = Request(list(context), max_tokens, greedy, torch.Generator().manual_seed(seed), list(images))
+    async def generate(self, context, max_tokens, *, images=(), greedy=False, seed=0, top=0) -> Request:
+        req = Request(list(context), max_tokens, greedy, torch.Generator().manual_seed(seed), list(images), top=top)
         req.future = asyncio.get_running_loop().create_future()
         self.pending.append(req)
         self.wake.set()
@@ -152,6 +154,10 @@ class Sampler:
             req.entropies.append(h)
             if routes:
                 req.experts.append(routes[req.row])
+        for i, req in enumerate(reqs):
+            if req.top:
+                values, ids = logp[i].topk(req.top)
+                req.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
         self.stats["tokens"] += len(reqs)
 
     def _prefill(self, reqs: list[Request], seqs: list[list[int]]):

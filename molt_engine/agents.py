@@ -1,0 +1,91 @@
+"""Agents in any framework: the Agent contract (user code that drives its own loop through an OpenAI client), its
+context, and the built-in calculator agent, written with the official OpenAI SDK only."""
+import json
+import random
+from dataclasses import dataclass, field
+
+import openai
+
+from .envs import Env, _parse_int, calculator, calculator_question, register
+
+
+@dataclass
+class AgentContext:
+    """What an agent's episode gets: its seed, and an OpenAI endpoint of its own (base URL and secret key) served by
+    the engine's policy under the name `model`. `metrics` is the agent's to fill (name -> number): the run reports
+    their means, as it does an env's `Result.info["metrics"]`."""
+    seed: int
+    base_url: str
+    api_key: str
+    model: str
+    metrics: dict = field(default_factory=dict)
+
+
+class Agent(Env):
+    """Subclass, set `name`, implement `run` (and `demonstration` for a warm start); register like an env.
+
+    `run` drives the episode with any OpenAI-compatible client pointed at `ctx.base_url` and returns the reward.
+    The engine records exactly the tokens its policy sampled for each request. Sampling follows the run
+    (`loop.temperature`; a request's `temperature: 0` decodes greedily) so that the trained log-probs are those
+    that were sampled. An agent that raises or runs longer than `timeout` seconds is an env error: the episode is
+    dropped and counted."""
+
+    chat = True          # requests are rendered with the policy's chat template
+    tools: list = []     # OpenAI tool schemas: those its demonstrations are rendered with (what run() sends)
+    max_tokens = 256     # per request, when the request does not say
+    timeout = 300.0      # seconds per episode
+
+    async def run(self, ctx: AgentContext) -> float:
+        raise NotImplementedError
+
+    def demonstration(self, seed: int) -> list[dict]:
+        """A good episode as OpenAI-format messages (prompt, assistant replies with content or tool_calls, tool
+        results), rendered with `tools` for the supervised warm start."""
+        raise NotImplementedError
+
+
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression of integers.",
+    "parameters": {"type": "object", "required": ["expression"], "properties": {
+        "expression": {"type": "string", "description": "integers joined by +, - or *, e.g. \"12*7\""}}}}}
+
+
+@register
+class CalculatorAgent(Agent):
+    """The chat calculator as agent code: ask, run the calculator the policy calls, score the answer."""
+
+    name = "calculator_agent"
+    tools = [CALCULATOR]
+    max_tokens = 32
+    max_turns = 3
+
+    async def run(self, ctx: AgentContext) -> float:
+        a, op, b, value = calculator_question(random.Random(ctx.seed))
+        messages = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
+        ctx.metrics["tool_errors"] = 0
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            for _ in range(self.max_turns):
+                reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=self.tools,
+                                                              max_tokens=self.max_tokens)).choices[0].message
+                messages.append(reply.model_dump(exclude_none=True))
+                if not reply.tool_calls:
+                    return float(_parse_int(reply.content or "") == value)
+                for call in reply.tool_calls:
+                    try:
+                        if call.function.name != "calculator":
+                            raise ValueError(f"unknown tool {call.function.name!r}")
+                        result = calculator(**json.loads(call.function.arguments))
+                    except Exception as e:  # the policy's mistake: it reads the error and may try again
+                        result = f"error: {e}"
+                        ctx.metrics["tool_errors"] += 1
+                    messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        return 0.0
+
+    def demonstration(self, seed: int) -> list[dict]:
+        a, op, b, value = calculator_question(random.Random(seed))
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{a}{op}{b}"})}}
+        return [{"role": "user", "content": f"What is {a}{op}{b}?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": str(value)},
+                {"role": "assistant", "content": str(value)}]

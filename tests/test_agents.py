@@ -1,0 +1,291 @@
+"""Agents in any framework: the loopback OpenAI server driven by the real `openai` SDK, token-exact segments, and the
+OpenAI errors, on tiny-chat."""
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from molt_engine import train
+from molt_engine.agents import CALCULATOR, Agent, AgentContext
+from molt_engine.chat import stop_ids
+from molt_engine.config import ModelConfig
+from molt_engine.envs import ENVS
+from molt_engine.models import chat_tokenizer, load_policy
+from molt_engine.sampler import Sampler
+from molt_engine.server import AgentServer
+from molt_engine.chat import hermes
+from test_invariants import action_runs, capture  # noqa: F401  (capture: the fixture)
+
+SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
+QUESTION = {"role": "user", "content": "What is 2*3? Check three times."}
+
+
+class ThreeCallsAgent(Agent):
+    """Three calculator calls through the OpenAI SDK, then the answer; streamed when `stream` is set."""
+    name = "test_three_calls_agent"
+    tools = [CALCULATOR]
+    max_tokens = 32
+    stream = False
+
+    async def run(self, ctx: AgentContext) -> float:
+        messages = [QUESTION]
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            for _ in range(4):
+                message = await self.ask(client, ctx.model, messages)
+                messages.append(message)
+                if not message.get("tool_calls"):
+                    return float(message.get("content", "").strip() == "6")
+                messages += [{"role": "tool", "tool_call_id": c["id"], "content": "6"} for c in message["tool_calls"]]
+        return 0.0
+
+    async def ask(self, client, model, messages) -> dict:
+        if not self.stream:
+            reply = await client.chat.completions.create(model=model, messages=messages, tools=self.tools)
+            return reply.choices[0].message.model_dump(exclude_none=True)
+        message, calls = {"role": "assistant", "content": ""}, {}
+        async for chunk in await client.chat.completions.create(model=model, messages=messages, tools=self.tools,
+                                                                 stream=True):
+            for choice in chunk.choices:
+                message["content"] += choice.delta.content or ""
+                for call in choice.delta.tool_calls or []:
+                    calls[call.index] = call.model_dump(exclude_none=True)
+        if calls:
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
+        return message
+
+    def demonstration(self, seed):
+        call = {"id": "call_0", "type": "function",
+                "function": {"name": "calculator", "arguments": json.dumps({"expression": "2*3"})}}
+        replies = [{"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_0", "content": "6"}] * 3
+        return [QUESTION, *replies, {"role": "assistant", "content": "6"}]
+
+
+class StreamingThreeCallsAgent(ThreeCallsAgent):
+    name = "test_three_calls_agent_streaming"
+    stream = True
+
+
+class RewritingAgent(Agent):
+    """Asks, then asks again with its first reply rewritten: the second request cannot extend the first segment."""
+    name = "test_rewriting_agent"
+    max_tokens = 6
+
+    async def run(self, ctx: AgentContext) -> float:
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            messages = [{"role": "user", "content": "Say something."}]
+            first = await client.chat.completions.create(model=ctx.model, messages=messages)
+            messages += [{"role": "assistant", "content": "(rewritten) " + (first.choices[0].message.content or "")},
+                         {"role": "user", "content": "Again."}]
+            await client.chat.completions.create(model=ctx.model, messages=messages)
+        return float(ctx.seed % 2)
+
+    def demonstration(self, seed):
+        return [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "ok"}]
+
+
+@pytest.mark.parametrize("agent", [ThreeCallsAgent, StreamingThreeCallsAgent])
+def test_agent_turns_train_exactly_the_sampled_tokens(capture, agent):
+    ENVS.setdefault(agent.name, agent)
+    # A warm start that makes whole calls likely when sampled at temperature 0.5: the agent gets three in a row.
+    summary = train({"env": agent.name, "model": {"preset": "tiny-chat"},
+                     "loop": {**SMALL, "steps": 2, "max_staleness": 0, "temperature": 0.5},
+                     "warm_start": {"steps": 100, "batch_size": 8, "lr": 1e-3}})
+    assert summary["status"] == "completed"
+    generated = {}
+    for r in capture["generations"]:
+        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
+    three_calls = 0
+    for episodes, batch in capture["batches"]:
+        for row, ep in enumerate(episodes):
+            sampled = []
+            for start, end in action_runs(ep):  # each run of actions is one request's sample, with its log-probs
+                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
+                sampled += ep.token_ids[start:end]
+            assert batch["targets"][row][batch["action_mask"][row]].tolist() == sampled
+            assert ep.info["segment"] == 0 and ep.info["turns"] == len(action_runs(ep))
+            three_calls += ep.info["tool_calls"] == 3
+    assert three_calls > 0  # the warm start taught the three calls: the agent really made three tool turns
+    assert len(capture["losses"]) == 2
+    for logp, behav, mask in capture["losses"]:
+        assert mask.any() and (logp[mask] - behav[mask]).abs().max() <= 1e-5
+    assert summary["segments_per_episode"] == 1.0 and summary["agent_requests_per_episode"] >= 1.0
+
+
+def test_an_agent_that_rewrites_its_history_trains_two_segments(capture):
+    ENVS.setdefault(RewritingAgent.name, RewritingAgent)
+    summary = train({"env": RewritingAgent.name, "model": {"preset": "tiny-chat"},
+                     "loop": {**SMALL, "steps": 2, "max_staleness": 0}, "warm_start": {"steps": 0}})
+    assert summary["segments_per_episode"] == 2.0 and summary["agent_requests_per_episode"] == 2.0
+    contexts = {(tuple(r.context), tuple(r.ids)) for r in capture["generations"]}
+    for episodes, batch in capture["batches"]:
+        assert [e.info["segment"] for e in episodes] == [0, 1] * (len(episodes) // 2)
+        for row, ep in enumerate(episodes):
+            ((start, end),) = action_runs(ep)  # one request per segment: its own context, nothing of the other's
+            assert (tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end])) in contexts
+            assert batch["targets"][row][batch["action_mask"][row]].tolist() == ep.token_ids[start:end]
+        first, second = episodes[0::2], episodes[1::2]
+        assert "(rewritten)" in capture_text(second[0]) and "(rewritten)" not in capture_text(first[0])
+        assert [e.reward for e in first] == [e.reward for e in second]
+
+
+def capture_text(ep) -> str:
+    return chat_tokenizer().decode(ep.token_ids)
+
+
+async def _served(agent_run, greedy=False):
+    """Run `agent_run(ctx, server)` as an agent episode against a real server and sampler on tiny-chat; returns what
+    it returned, the episode's segments and the sampler."""
+    model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
+    stops = stop_ids(tok)
+    server = AgentServer(tok, stops, 1024, hermes, "tiny-chat", 0)
+    sampler = Sampler(model, stops, tok.pad_token_id, 1.0)
+    out = {}
+
+    class Probe(Agent):
+        name = "probe"
+        max_tokens = 8
+
+        async def run(self, ctx):
+            out["value"] = await agent_run(ctx, server)
+            return 1.0
+
+    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
+    try:
+        segments = await server.episode(Probe(), sampler, 7, 0, 0, greedy)
+    finally:
+        for t in tasks:
+            t.cancel()
+    return out["value"], segments, sampler
+
+
+def test_the_endpoint_answers_like_openai_and_records_one_segment():
+    """Plain, streamed, logprobs, legacy completions and the model list, each through the SDK, extend one segment when
+    the agent sends its history back as it got it; the server listens on 127.0.0.1 only."""
+    async def agent(ctx, server):
+        assert ctx.base_url.startswith(f"http://127.0.0.1:{server.port}/e/")
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            models = await client.models.list()
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+            first = await client.chat.completions.create(model=ctx.model, messages=messages, logprobs=True,
+                                                         top_logprobs=3, max_tokens=5)
+            messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More"}]
+            streamed = [c async for c in await client.chat.completions.create(
+                model=ctx.model, messages=messages, max_completion_tokens=4, stream=True,
+                stream_options={"include_usage": True})]
+        return models, first, streamed
+    (models, first, streamed), segments, sampler = asyncio.run(_served(agent))
+    assert [m.id for m in models.data] == ["tiny-chat"]
+    choice = first.choices[0]
+    assert choice.finish_reason in ("stop", "length") and len(choice.logprobs.content) == first.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in choice.logprobs.content)
+    assert streamed[-1].usage.completion_tokens <= 4 and streamed[-2].choices[0].finish_reason in ("stop", "length")
+    (segment,) = segments  # the second request extended the first's segment
+    runs = action_runs(segment)
+    assert len(runs) == 2 and segment.info["metrics"]["agent_requests_per_episode"] == 2
+    first_ids = segment.token_ids[runs[0][0]:runs[0][1]]
+    assert [round(lp, 4) for lp in segment.logprobs[runs[0][0]:runs[0][1]]] == [
+        round(t.logprob, 4) for t in choice.logprobs.content]
+    assert len(first_ids) == first.usage.completion_tokens
+    assert sampler.stats["tokens"] == sum(b - a for a, b in runs)
+
+
+def test_wrong_keys_unknown_models_bad_parameters_and_ended_episodes_get_openai_errors():
+    async def agent(ctx, server):
+        messages = [{"role": "user", "content": "Hi"}]
+        errors = {}
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key="not-the-key", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError) as e:
+                await wrong.chat.completions.create(model=ctx.model, messages=messages)
+            errors["key"] = e.value
+        other = next(ep for name, ep in server.episodes.items() if name not in ctx.base_url)
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=other.key, max_retries=0) as stolen:
+            with pytest.raises(openai.AuthenticationError):
+                await stolen.chat.completions.create(model=ctx.model, messages=messages)
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            with pytest.raises(openai.NotFoundError) as e:
+                await client.chat.completions.create(model="gpt-4o", messages=messages)
+            errors["model"] = e.value
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model=ctx.model, messages=messages, temperature=5)
+            errors["param"] = e.value
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "x " * 300}])
+            errors["long"] = e.value
+        return errors
+    errors, segments, _ = asyncio.run(two_episodes_served(agent))
+    assert errors["key"].status_code == 401 and errors["key"].code == "invalid_api_key"
+    assert errors["model"].status_code == 404 and "gpt-4o" in errors["model"].message
+    assert errors["param"].status_code == 400 and errors["param"].param == "temperature"
+    assert errors["long"].status_code == 400 and errors["long"].code == "context_length_exceeded"
+    assert segments == []  # nothing was sampled: every request was refused before the sampler
+
+
+async def two_episodes_served(agent_run):
+    """As _served, with a second (idle) episode on the same server whose key the probe can try."""
+    model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
+    stops = stop_ids(tok)
+    server = AgentServer(tok, stops, 256, hermes, "tiny-chat", 0)
+    sampler = Sampler(model, stops, tok.pad_token_id, 1.0)
+    idle_started, idle_done, out = asyncio.Event(), asyncio.Event(), {}
+
+    class Idle(Agent):
+        name = "idle"
+
+        async def run(self, ctx):
+            out["idle"] = ctx
+            idle_started.set()
+            await idle_done.wait()
+            return 0.0
+
+    class Probe(Agent):
+        name = "probe"
+
+        async def run(self, ctx):
+            await idle_started.wait()
+            out["value"] = await agent_run(ctx, server)
+            return 1.0
+
+    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
+    try:
+        idle = asyncio.create_task(server.episode(Idle(), sampler, 1, 0, 0, False))
+        segments = await server.episode(Probe(), sampler, 7, 0, 1, False)
+        idle_done.set()
+        await idle
+        # The idle episode has ended: its own key now gets a 409.
+        async with openai.AsyncOpenAI(base_url=out["idle"].base_url, api_key=out["idle"].api_key,
+                                      max_retries=0) as late:
+            with pytest.raises(openai.ConflictError) as e:
+                await late.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}])
+        assert e.value.status_code == 409 and e.value.code == "episode_ended"
+    finally:
+        for t in tasks:
+            t.cancel()
+    return out["value"], segments, sampler
+
+
+def test_a_retried_request_gets_the_recorded_reply_and_a_rewrite_starts_a_segment():
+    async def agent(ctx, server):
+        body = {"model": ctx.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
+        headers = {"Authorization": f"Bearer {ctx.api_key}"}
+        async with httpx.AsyncClient(base_url=ctx.base_url) as http:
+            first = (await http.post("/chat/completions", json=body, headers=headers)).json()
+            retry = (await http.post("/chat/completions", json=body,
+                                     headers={**headers, "x-stainless-retry-count": "1"})).json()
+            again = (await http.post("/chat/completions", json=body, headers=headers)).json()  # not a retry
+            text = (await http.post("/completions", json={"model": ctx.model, "prompt": "12+3=", "max_tokens": 3},
+                                    headers=headers)).json()
+            more = (await http.post("/completions", headers=headers, json={
+                "model": ctx.model, "prompt": "12+3=" + text["choices"][0]["text"] + " ok", "max_tokens": 3})).json()
+        return first, retry, again, text, more
+    (first, retry, again, text, more), segments, sampler = asyncio.run(_served(agent))
+    assert retry == first  # the recorded reply, not a second sample
+    assert again["id"] != first["id"]
+    # Segments: the first request (its retry added nothing), the same question asked again, the text prompt and
+    # its extension.
+    assert [len(action_runs(s)) for s in segments] == [1, 1, 2]
+    assert sampler.stats["tokens"] == sum(e - s for seg in segments for s, e in action_runs(seg))
+    assert segments[0].info["metrics"]["segments_per_episode"] == 3
+    assert more["usage"]["prompt_tokens"] > text["usage"]["total_tokens"]
