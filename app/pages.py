@@ -13,6 +13,7 @@ from pydantic import ValidationError, create_model
 
 from daemon.records import Conflict, RunNotFound, RunRequest
 from daemon.models import ACTIVE, STATUSES, TERMINAL
+from molt_engine.agents import Agent
 from molt_engine.config import PRESETS, RunConfig
 from molt_engine.envs import ENVS, load_user_envs
 
@@ -218,7 +219,8 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
             node = node.get(key) if isinstance(node, dict) else None
         placeholders[field] = "" if node is None else node
     return {"values": values, "advanced": advanced, "errors": errors or {}, "envs": sorted(ENVS),
-            "chat_envs": {name: [tool.__name__ for tool in cls.tools] for name, cls in ENVS.items() if cls.chat},
+            "chat_envs": {name: cls.tool_names() for name, cls in ENVS.items() if cls.chat},
+            "agents": {name for name, cls in ENVS.items() if issubclass(cls, Agent)},
             "presets": PRESETS, "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
             "tags": tags, "max_restarts": max_restarts}
 

@@ -16,6 +16,7 @@ from sqlalchemy import select
 
 from daemon.models import STATUSES, TERMINAL, Metric
 from daemon.records import Conflict, RunNotFound, RunRequest
+from molt_engine.agents import Agent
 from molt_engine.envs import ENVS, load_user_envs
 
 from .schemas import (AlertOut, AttemptOut, BadRequest, CheckpointOut, EnvInfo, EventOut, Health, Invalid, MetricsOut,
@@ -95,7 +96,7 @@ def envs():
     load_user_envs()  # a file added or fixed since the server started is listed now
     return [{"name": name, "description": ((cls.__doc__ or "").strip().splitlines() or [""])[0],
              "max_turns": cls.max_turns, "max_tokens": cls.max_tokens, "chat": cls.chat,
-             "tools": [tool.__name__ for tool in cls.tools],
+             "tools": cls.tool_names(), "agent": issubclass(cls, Agent),
              "source": None if cls.__module__.startswith("molt_engine.") else inspect.getsourcefile(cls)}
             for name, cls in sorted(ENVS.items())]
 

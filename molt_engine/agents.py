@@ -31,7 +31,7 @@ class Agent(Env):
     dropped and counted."""
 
     chat = True          # requests are rendered with the policy's chat template
-    tools: list = []     # OpenAI tool schemas: those its demonstrations are rendered with (what run() sends)
+    tools: tuple = ()    # OpenAI tool schemas: those its demonstrations are rendered with (what run() sends)
     max_tokens = 256     # per request, when the request does not say
     timeout = 300.0      # seconds per episode
 
@@ -55,17 +55,17 @@ class CalculatorAgent(Agent):
     """The chat calculator as agent code: ask, run the calculator the policy calls, score the answer."""
 
     name = "calculator_agent"
-    tools = [CALCULATOR]
+    tools = (CALCULATOR,)
     max_tokens = 32
     max_turns = 3
 
     async def run(self, ctx: AgentContext) -> float:
         a, op, b, value = calculator_question(random.Random(ctx.seed))
         messages = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
-        ctx.metrics["tool_errors"] = 0
+        ctx.metrics["tool_error_rate"] = 0
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
             for _ in range(self.max_turns):
-                reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=self.tools,
+                reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=list(self.tools),
                                                               max_tokens=self.max_tokens)).choices[0].message
                 messages.append(reply.model_dump(exclude_none=True))
                 if not reply.tool_calls:
@@ -77,7 +77,7 @@ class CalculatorAgent(Agent):
                         result = calculator(**json.loads(call.function.arguments))
                     except Exception as e:  # the policy's mistake: it reads the error and may try again
                         result = f"error: {e}"
-                        ctx.metrics["tool_errors"] += 1
+                        ctx.metrics["tool_error_rate"] += 1
                     messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         return 0.0
 

@@ -66,6 +66,11 @@ class Env:
         """The actions of a good episode; chat envs: its assistant messages (content, or tool_calls)."""
         raise NotImplementedError
 
+    @classmethod
+    def tool_names(cls) -> list[str]:
+        """Its tools' names: of Python functions (envs) or of OpenAI tool schemas (agents)."""
+        return [t["function"]["name"] if isinstance(t, dict) else t.__name__ for t in cls.tools]
+
 
 ENVS: dict[str, type[Env]] = {}
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .agents import Agent, AgentContext
-from .chat import Template
+from .chat import Template, hermes
 from .episode import Episode
 
 
@@ -186,12 +186,15 @@ class AgentServer:
                               param="tool_choice")
         if choice != "none" and not body.tools:
             raise OpenAIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        if choice not in ("auto", "none") and self.parse is not hermes:
+            raise OpenAIError(400, "a forced tool call (tool_choice required or named) needs the hermes tool parser",
+                              param="tool_choice")
         template = Template(self.tokenizer, body.tools or [], self.stops)
         # A forced call: the opening of the parser's call format goes in as prompt, the policy samples the rest.
         forced = "" if choice in ("auto", "none") else _call_opening(choice)
         async with ep.lock:
             n = len(ep.said) if isinstance(ep.said, list) else 0
-            extends = n and ep.tools == body.tools and messages[:n] == ep.said
+            extends = n > 0 and ep.tools == body.tools and messages[:n] == ep.said
             if extends:
                 delta, broke = template.after_reply(ep.said, messages[n:], ep.ended)
             else:
@@ -201,7 +204,7 @@ class AgentServer:
                                                             body.max_completion_tokens or body.max_tokens,
                                                             body.top_logprobs if body.logprobs else 0)
             ep.breaks += broke
-            content, calls = self.parse(forced + text) if choice != "none" else (text, [])
+            content, calls = self.parse(forced + text) if choice != "none" else (text.strip(), [])
             if any("error" in c for c in calls):  # an unparsable call comes back as the text it is
                 content, calls = (forced + text).strip(), []
             reply = {"role": "assistant", "content": content}
@@ -220,8 +223,8 @@ class AgentServer:
                              "logprobs": {"content": logprobs} if body.logprobs else None}]}
 
     async def text_reply(self, ep: _Episode, body: CompletionBody) -> dict:
-        extends = isinstance(ep.said, str) and body.prompt.startswith(ep.said)
         async with ep.lock:
+            extends = isinstance(ep.said, str) and body.prompt.startswith(ep.said)
             delta = self.encode(body.prompt[len(ep.said):] if extends else body.prompt)
             ids, logprobs, text, finish = await self.sample(ep, body, delta, extends, body.max_tokens, body.logprobs or 0)
             ep.said, ep.tools = body.prompt + text, None
@@ -254,7 +257,7 @@ class AgentServer:
         ids, ended = req.ids, req.ids[-1] in self.stops
         text, finish = self.tokenizer.decode(ids[:-1] if ended else ids), "stop" if ended else "length"
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        for k in range(len(ids)) if stops else ():  # keep the sampled tokens up to the one that completes a stop
+        for k in range(len(ids) if stops else 0):  # keep the sampled tokens up to the one that completes a stop
             seen = self.tokenizer.decode(ids[:k + 1])
             hits = [seen.find(s) for s in stops if s and s in seen]
             if hits:

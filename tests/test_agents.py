@@ -2,21 +2,21 @@
 OpenAI errors, on tiny-chat."""
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from test_invariants import action_runs, capture  # noqa: F401  (capture: the fixture)
 
 from molt_engine import train
 from molt_engine.agents import CALCULATOR, Agent, AgentContext
-from molt_engine.chat import stop_ids
+from molt_engine.chat import hermes, stop_ids
 from molt_engine.config import ModelConfig
 from molt_engine.envs import ENVS
 from molt_engine.models import chat_tokenizer, load_policy
 from molt_engine.sampler import Sampler
 from molt_engine.server import AgentServer
-from molt_engine.chat import hermes
-from test_invariants import action_runs, capture  # noqa: F401  (capture: the fixture)
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 QUESTION = {"role": "user", "content": "What is 2*3? Check three times."}
@@ -25,7 +25,7 @@ QUESTION = {"role": "user", "content": "What is 2*3? Check three times."}
 class ThreeCallsAgent(Agent):
     """Three calculator calls through the OpenAI SDK, then the answer; streamed when `stream` is set."""
     name = "test_three_calls_agent"
-    tools = [CALCULATOR]
+    tools = [CALCULATOR]  # a list: the SDK sends it as it is
     max_tokens = 32
     stream = False
 
@@ -166,6 +166,10 @@ def test_the_endpoint_answers_like_openai_and_records_one_segment():
     the agent sends its history back as it got it; the server listens on 127.0.0.1 only."""
     async def agent(ctx, server):
         assert ctx.base_url.startswith(f"http://127.0.0.1:{server.port}/e/")
+        # The kernel's table of listening sockets: this port listens on 127.0.0.1 (0100007F) and nothing else.
+        table = Path("/proc/net/tcp").read_text().splitlines()[1:] + Path("/proc/net/tcp6").read_text().splitlines()[1:]
+        listening = [line.split()[1] for line in table if line.split()[3] == "0A"]
+        assert [a for a in listening if int(a.split(":")[1], 16) == server.port] == [f"0100007F:{server.port:04X}"]
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
             models = await client.models.list()
             messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -289,3 +293,37 @@ def test_a_retried_request_gets_the_recorded_reply_and_a_rewrite_starts_a_segmen
     assert sampler.stats["tokens"] == sum(e - s for seg in segments for s, e in action_runs(seg))
     assert segments[0].info["metrics"]["segments_per_episode"] == 3
     assert more["usage"]["prompt_tokens"] > text["usage"]["total_tokens"]
+
+
+def test_64_agents_at_once_are_batched_together_and_every_request_is_answered():
+    class Twice(Agent):
+        name = "twice"
+        max_tokens = 8
+
+        async def run(self, ctx):
+            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+                messages = [{"role": "user", "content": f"Count to {ctx.seed}."}]
+                for _ in range(2):
+                    reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+                    messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                                 {"role": "user", "content": "Go on."}]
+            return 1.0
+
+    async def many():
+        model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
+        stops = stop_ids(tok)
+        server = AgentServer(tok, stops, 1024, hermes, "tiny-chat", 0)
+        sampler = Sampler(model, stops, tok.pad_token_id, 1.0)
+        tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
+        try:
+            return await asyncio.gather(*(server.episode(Twice(), sampler, i, i // 8, i % 8, False)
+                                          for i in range(64))), sampler
+        finally:
+            for t in tasks:
+                t.cancel()
+    episodes, sampler = asyncio.run(many())
+    assert len(episodes) == 64 and all(len(segments) == 1 for segments in episodes)
+    assert all(len(action_runs(segments[0])) == 2 for segments in episodes)  # 128 requests, 128 replies recorded
+    assert sampler.stats["tokens"] == sum(e - s for (seg,) in episodes for s, e in action_runs(seg))
+    # Requests per decode step: the agents' requests were decoded together, not one by one.
+    assert sampler.stats["rows"] / sampler.stats["steps"] >= 16

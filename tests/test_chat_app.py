@@ -24,7 +24,9 @@ def test_env_list_says_which_envs_speak_chat_and_their_tools(web):
     envs = {e["name"]: e for e in web["client"].get("/api/v1/envs").json()}
     assert envs["chat_calculator"]["chat"] and envs["chat_calculator"]["tools"] == ["calculator"]
     assert envs["dataset"]["chat"] and envs["dataset"]["tools"] == []
-    assert not envs["max_digit"]["chat"]
+    assert not envs["max_digit"]["chat"] and not envs["chat_calculator"]["agent"]
+    agent = envs["calculator_agent"]
+    assert agent["agent"] and agent["chat"] and agent["tools"] == ["calculator"] and agent["source"] is None
 
 
 @pytest.mark.parametrize("env_args, model, problem", [

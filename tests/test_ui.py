@@ -194,6 +194,23 @@ def test_a_vision_language_run_from_the_form_trains_on_images(served, page):
     screenshot(page, "run-page-tiny-vlm.png")
 
 
+def test_an_agent_run_from_the_form_charts_its_requests_and_segments(served, page):
+    """The calculator agent (the OpenAI SDK against the run's loopback server) from the form, through the daemon."""
+    page.goto(served.url)
+    page.goto(served.base + "/runs/new")
+    expect(page.locator("select[name=env] option[value=calculator_agent]")).to_have_text(
+        "calculator_agent (agent, tools: calculator)")
+    run_id = launch_from_the_form(served, page, "calculator_agent", "tiny-chat")
+    chart = page.locator("#chart-agents")
+    expect(chart).to_be_visible()
+    wait_until(lambda: chart.get_attribute("data-points") == "6", 20, message="6 points of agent metrics")
+    series = served.client.get(f"/api/v1/runs/{run_id}/metrics",
+                               params={"names": "segments_per_episode,agent_requests_per_episode"}).json()["series"]
+    assert series["segments_per_episode"]["value"] == [1.0] * 6  # the agent sends its history back as it got it
+    assert min(series["agent_requests_per_episode"]["value"]) >= 1.0
+    screenshot(page, "run-page-agent.png")
+
+
 def test_the_daemon_banner_appears_on_every_page_while_the_daemon_is_down_and_goes_when_it_is_back(tmp_path, page):
     with serve(tmp_path) as served:
         daemon = lambda: served.client.get("/api/v1/health").json()["daemon"]  # noqa: E731
