@@ -22,12 +22,14 @@ from molt_engine import NullSink, train
 from molt_engine.data import word_problems
 
 RECIPES = {
+    # Copying the numbers (question -> call, result -> answer) past the 110-token tool preamble is learned late in
+    # the warm start: at lr 1e-3 the loss sits near 0.6 for ~500 steps, then drops (0.05 by step 800).
     "calculator": {"env": "chat_calculator", "model": {"preset": "tiny-chat"},
                    "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0},
-                   "warm_start": {"steps": 200, "lr": 1e-3}},
+                   "warm_start": {"steps": 700, "lr": 1e-3}},
     "agent": {"env": "calculator_agent", "model": {"preset": "tiny-chat"},
               "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0},
-              "warm_start": {"steps": 200, "lr": 1e-3}},
+              "warm_start": {"steps": 700, "lr": 1e-3}},
     "dataset": {"env": "dataset", "model": {"preset": "tiny-chat"},
                 "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0, "eval_episodes": 100},
                 "env_args": {"reward": "gsm8k", "max_tokens": 24}, "warm_start": {"steps": 200, "lr": 1e-3},

@@ -2,6 +2,7 @@
 the run's shared sampler, and token-exact segments recorded from what the policy sampled."""
 import asyncio
 import contextlib
+import itertools
 import json
 import secrets
 import socket
@@ -179,6 +180,8 @@ class AgentServer:
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
     async def chat_reply(self, ep: _Episode, body: ChatBody) -> dict:
+        if not self.tokenizer.chat_template:
+            raise OpenAIError(400, "this model's tokenizer has no chat template: use /v1/completions")
         messages = [template_message(m, i) for i, m in enumerate(body.messages)]
         choice = body.tool_choice or ("auto" if body.tools else "none")
         if choice not in ("auto", "none", "required") and not (isinstance(choice, dict) and choice.get("function")):
@@ -228,10 +231,11 @@ class AgentServer:
             delta = self.encode(body.prompt[len(ep.said):] if extends else body.prompt)
             ids, logprobs, text, finish = await self.sample(ep, body, delta, extends, body.max_tokens, body.logprobs or 0)
             ep.said, ep.tools = body.prompt + text, None
+        tokens = [t["token"] for t in logprobs]
         lp = None if body.logprobs is None else {
-            "tokens": [t["token"] for t in logprobs], "token_logprobs": [t["logprob"] for t in logprobs],
+            "tokens": tokens, "token_logprobs": [t["logprob"] for t in logprobs],
             "top_logprobs": [{x["token"]: x["logprob"] for x in t["top_logprobs"]} for t in logprobs],
-            "text_offset": []}
+            "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=len(body.prompt)))}
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model, "usage": self.usage(ep, ids),
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]}

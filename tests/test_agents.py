@@ -1,6 +1,7 @@
 """Agents in any framework: the loopback OpenAI server driven by the real `openai` SDK, token-exact segments, and the
 OpenAI errors, on tiny-chat."""
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -135,13 +136,24 @@ def capture_text(ep) -> str:
     return chat_tokenizer().decode(ep.token_ids)
 
 
-async def _served(agent_run, greedy=False):
-    """Run `agent_run(ctx, server)` as an agent episode against a real server and sampler on tiny-chat; returns what
-    it returned, the episode's segments and the sampler."""
+@contextlib.asynccontextmanager
+async def serving(limit: int = 1024):
+    """A real server and sampler on a random tiny-chat policy, serving until the block ends."""
     model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
     stops = stop_ids(tok)
-    server = AgentServer(tok, stops, 1024, hermes, "tiny-chat", 0)
+    server = AgentServer(tok, stops, limit, hermes, "tiny-chat", 0)
     sampler = Sampler(model, stops, tok.pad_token_id, 1.0)
+    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
+    try:
+        yield server, sampler
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _served(agent_run):
+    """Run `agent_run(ctx, server)` as an agent episode; returns what it returned, the episode's segments and the
+    sampler."""
     out = {}
 
     class Probe(Agent):
@@ -152,12 +164,8 @@ async def _served(agent_run, greedy=False):
             out["value"] = await agent_run(ctx, server)
             return 1.0
 
-    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
-    try:
-        segments = await server.episode(Probe(), sampler, 7, 0, 0, greedy)
-    finally:
-        for t in tasks:
-            t.cancel()
+    async with serving() as (server, sampler):
+        segments = await server.episode(Probe(), sampler, 7, 0, 0, False)
     return out["value"], segments, sampler
 
 
@@ -229,10 +237,6 @@ def test_wrong_keys_unknown_models_bad_parameters_and_ended_episodes_get_openai_
 
 async def two_episodes_served(agent_run):
     """As _served, with a second (idle) episode on the same server whose key the probe can try."""
-    model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
-    stops = stop_ids(tok)
-    server = AgentServer(tok, stops, 256, hermes, "tiny-chat", 0)
-    sampler = Sampler(model, stops, tok.pad_token_id, 1.0)
     idle_started, idle_done, out = asyncio.Event(), asyncio.Event(), {}
 
     class Idle(Agent):
@@ -252,8 +256,7 @@ async def two_episodes_served(agent_run):
             out["value"] = await agent_run(ctx, server)
             return 1.0
 
-    tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
-    try:
+    async with serving(limit=256) as (server, sampler):
         idle = asyncio.create_task(server.episode(Idle(), sampler, 1, 0, 0, False))
         segments = await server.episode(Probe(), sampler, 7, 0, 1, False)
         idle_done.set()
@@ -264,9 +267,6 @@ async def two_episodes_served(agent_run):
             with pytest.raises(openai.ConflictError) as e:
                 await late.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}])
         assert e.value.status_code == 409 and e.value.code == "episode_ended"
-    finally:
-        for t in tasks:
-            t.cancel()
     return out["value"], segments, sampler
 
 
@@ -310,20 +310,33 @@ def test_64_agents_at_once_are_batched_together_and_every_request_is_answered():
             return 1.0
 
     async def many():
-        model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
-        stops = stop_ids(tok)
-        server = AgentServer(tok, stops, 1024, hermes, "tiny-chat", 0)
-        sampler = Sampler(model, stops, tok.pad_token_id, 1.0)
-        tasks = [asyncio.create_task(server.serve()), asyncio.create_task(sampler.run())]
-        try:
+        async with serving() as (server, sampler):
             return await asyncio.gather(*(server.episode(Twice(), sampler, i, i // 8, i % 8, False)
                                           for i in range(64))), sampler
-        finally:
-            for t in tasks:
-                t.cancel()
     episodes, sampler = asyncio.run(many())
     assert len(episodes) == 64 and all(len(segments) == 1 for segments in episodes)
     assert all(len(action_runs(segments[0])) == 2 for segments in episodes)  # 128 requests, 128 replies recorded
     assert sampler.stats["tokens"] == sum(e - s for (seg,) in episodes for s, e in action_runs(seg))
     # Requests per decode step: the agents' requests were decoded together, not one by one.
     assert sampler.stats["rows"] / sampler.stats["steps"] >= 16
+
+
+def test_a_forced_tool_call_starts_the_reply_with_the_call_opening_as_prompt():
+    opening = '<tool_call>\n{"name": "calculator", "arguments": '
+
+    async def agent(ctx, server):
+        messages = [{"role": "user", "content": "What is 6*7?"}]
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
+            forced = await client.chat.completions.create(
+                model=ctx.model, messages=messages, tools=[CALCULATOR], max_tokens=12,
+                tool_choice={"type": "function", "function": {"name": "calculator"}})
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model=ctx.model, messages=messages, tool_choice="required")
+        return forced.choices[0].message, e.value
+    (message, error), (segment,), _ = asyncio.run(_served(agent))
+    # A random policy rarely closes the call: then it comes back as content, opening included.
+    assert (message.tool_calls and message.tool_calls[0].function.name == "calculator") or \
+        message.content.startswith(opening)
+    ((start, _),) = action_runs(segment)
+    assert chat_tokenizer().decode(segment.token_ids[:start]).endswith("<|im_start|>assistant\n" + opening)
+    assert error.status_code == 400 and error.param == "tool_choice" and "needs tools" in error.message
