@@ -8,10 +8,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from test_invariants import action_runs, capture  # noqa: F401  (capture: the fixture)
+import torch
+from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
 
 from molt_engine import train
 from molt_engine.agents import CALCULATOR, Agent, AgentContext
+from molt_engine.algo import advantages
 from molt_engine.chat import hermes, stop_ids
 from molt_engine.config import ModelConfig
 from molt_engine.envs import ENVS
@@ -81,7 +83,7 @@ class RewritingAgent(Agent):
             messages += [{"role": "assistant", "content": "(rewritten) " + (first.choices[0].message.content or "")},
                          {"role": "user", "content": "Again."}]
             await client.chat.completions.create(model=ctx.model, messages=messages)
-        return float(ctx.seed % 2)
+        return float(len(first.choices[0].message.content or "") % 2)  # differs within a group
 
     def demonstration(self, seed):
         return [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "ok"}]
@@ -95,19 +97,10 @@ def test_agent_turns_train_exactly_the_sampled_tokens(capture, agent):
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0, "temperature": 0.5},
                      "warm_start": {"steps": 100, "batch_size": 8, "lr": 1e-3}})
     assert summary["status"] == "completed"
-    generated = {}
-    for r in capture["generations"]:
-        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
     three_calls = 0
-    for episodes, batch in capture["batches"]:
-        for row, ep in enumerate(episodes):
-            sampled = []
-            for start, end in action_runs(ep):  # each run of actions is one request's sample, with its log-probs
-                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
-                sampled += ep.token_ids[start:end]
-            assert batch["targets"][row][batch["action_mask"][row]].tolist() == sampled
-            assert ep.info["segment"] == 0 and ep.info["turns"] == len(action_runs(ep))
-            three_calls += ep.info["tool_calls"] == 3
+    for ep in trained_as_sampled(capture):  # each run of actions is one request's sample, with its log-probs
+        assert ep.info["segment"] == 0 and ep.info["turns"] == len(action_runs(ep))
+        three_calls += ep.info["tool_calls"] == 3
     assert three_calls > 0  # the warm start taught the three calls: the agent really made three tool turns
     assert len(capture["losses"]) == 2
     for logp, behav, mask in capture["losses"]:
@@ -120,20 +113,21 @@ def test_an_agent_that_rewrites_its_history_trains_two_segments(capture):
     summary = train({"env": RewritingAgent.name, "model": {"preset": "tiny-chat"},
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0}, "warm_start": {"steps": 0}})
     assert summary["segments_per_episode"] == 2.0 and summary["agent_requests_per_episode"] == 2.0
-    contexts = {(tuple(r.context), tuple(r.ids)) for r in capture["generations"]}
-    for episodes, batch in capture["batches"]:
-        assert [e.info["segment"] for e in episodes] == [0, 1] * (len(episodes) // 2)
-        for row, ep in enumerate(episodes):
-            ((start, end),) = action_runs(ep)  # one request per segment: its own context, nothing of the other's
-            assert (tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end])) in contexts
-            assert batch["targets"][row][batch["action_mask"][row]].tolist() == ep.token_ids[start:end]
-        first, second = episodes[0::2], episodes[1::2]
-        assert "(rewritten)" in capture_text(second[0]) and "(rewritten)" not in capture_text(first[0])
-        assert [e.reward for e in first] == [e.reward for e in second]
-
-
-def capture_text(ep) -> str:
-    return chat_tokenizer().decode(ep.token_ids)
+    rows = trained_as_sampled(capture)  # each segment's tokens: its own request's context and sample
+    assert [e.info["segment"] for e in rows] == [0, 1] * (len(rows) // 2)
+    assert all(len(action_runs(e)) == 1 for e in rows)  # one request per segment, nothing of the other's
+    text = chat_tokenizer().decode
+    for first, second in zip(rows[0::2], rows[1::2]):
+        assert "(rewritten)" in text(second.token_ids) and "(rewritten)" not in text(first.token_ids)
+        assert first.reward == second.reward
+    # A later segment takes its episode's advantage, and the group baselines count each episode once (counted
+    # twice, the group's std, hence every advantage, would differ).
+    assert sum(float(a.abs().sum()) for a in capture["advantages"]) > 0
+    for (episodes, _), adv in zip(capture["batches"], capture["advantages"]):
+        for group in {e.group for e in episodes}:
+            rows = [i for i, e in enumerate(episodes) if e.group == group]
+            firsts = torch.tensor([[episodes[i].reward for i in rows if episodes[i].info["segment"] == 0]])
+            assert torch.allclose(adv[rows], advantages(firsts, "grpo")[0].repeat_interleave(2))
 
 
 @contextlib.asynccontextmanager

@@ -15,7 +15,7 @@ from molt_engine.config import ModelConfig
 from molt_engine.data import word_problems
 from molt_engine.envs import ENVS, calculator
 from molt_engine.models import CHAT_TEMPLATE, _chat_bpe, chat_tokenizer, load_policy
-from test_invariants import action_runs, capture  # noqa: F401  (capture: the fixture)
+from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 
@@ -61,28 +61,19 @@ def test_tool_turns_train_exactly_the_sampled_tokens(tmp_path, capture, template
     tok.save_pretrained(tmp_path)
     summary = train({"env": "test_three_calls", "model": {"preset": None, "path": str(tmp_path)},
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0}, "warm_start": {"steps": 40, "batch_size": 8}})
-    generated = {}
-    for r in capture["generations"]:
-        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
     three_calls = 0
-    for episodes, batch in capture["batches"]:
-        for row, ep in enumerate(episodes):
-            sampled = []
-            for start, end in action_runs(ep):  # each run of actions is one generation, with its log-probs
-                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
-                sampled += ep.token_ids[start:end]
-            assert batch["targets"][row][batch["action_mask"][row]].tolist() == sampled
-            assert len(action_runs(ep)) == ep.info["turns"]
-            # The prompt the sampler saw is the template's render of the env's messages and tools.
-            first = action_runs(ep)[0][0]
-            messages = asyncio.run(ThreeCalls().reset(ep.seed)).messages
-            assert tok.decode(ep.token_ids[:first]) == tok.apply_chat_template(
-                messages, tools=[calculator], add_generation_prompt=True, tokenize=False)
-            # The forgetful template re-renders every reply with a well-formed call: each one's delta is a break.
-            well_formed = sum(any("error" not in c for c in hermes(tok.decode(ep.token_ids[a:b - 1]))[1])
-                              for a, b in action_runs(ep))
-            assert ep.info["template_prefix_breaks"] == (well_formed if template == "forgetful" else 0)
-            three_calls += ep.info["tool_calls"] == 3
+    for ep in trained_as_sampled(capture):
+        assert len(action_runs(ep)) == ep.info["turns"]
+        # The prompt the sampler saw is the template's render of the env's messages and tools.
+        first = action_runs(ep)[0][0]
+        messages = asyncio.run(ThreeCalls().reset(ep.seed)).messages
+        assert tok.decode(ep.token_ids[:first]) == tok.apply_chat_template(
+            messages, tools=[calculator], add_generation_prompt=True, tokenize=False)
+        # The forgetful template re-renders every reply with a well-formed call: each one's delta is a break.
+        well_formed = sum(any("error" not in c for c in hermes(tok.decode(ep.token_ids[a:b - 1]))[1])
+                          for a, b in action_runs(ep))
+        assert ep.info["template_prefix_breaks"] == (well_formed if template == "forgetful" else 0)
+        three_calls += ep.info["tool_calls"] == 3
     assert three_calls > 0  # the warm start taught the three calls: the multi-turn case really ran
     assert len(capture["losses"]) == 2
     for logp, behav, mask in capture["losses"]:

@@ -22,7 +22,7 @@ SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 @pytest.fixture
 def capture(monkeypatch):
     """Record every batch the trainer collates and every generation the sampler returns."""
-    seen = {"batches": [], "generations": [], "losses": []}
+    seen = {"batches": [], "generations": [], "losses": [], "advantages": []}
     real_collate, real_generate, real_loss = update_mod.collate, Sampler.generate, update_mod.policy_loss
 
     def spy_collate(episodes, pad_id):
@@ -37,6 +37,7 @@ def capture(monkeypatch):
 
     def spy_loss(logp, prox, behav, adv, mask, **kw):
         seen["losses"].append((logp.detach().clone(), behav.clone(), mask.clone()))
+        seen["advantages"].append(adv.clone())
         return real_loss(logp, prox, behav, adv, mask, **kw)
 
     monkeypatch.setattr(update_mod, "collate", spy_collate)
@@ -99,33 +100,39 @@ def action_runs(ep):
         p = end
     return runs
 
+
+def trained_as_sampled(capture) -> list:
+    """Check every row the trainer collated: each maximal run of action tokens is exactly one sampler generation,
+    continuing exactly the context before it, with its recorded log-probs; and the batch's trained positions are those
+    tokens, with those ids, and nothing else. Returns the rows, in training order."""
+    generated = {}  # (context, ids) -> the log-probs of each generation that produced them
+    for r in capture["generations"]:
+        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
+    rows = []
+    for episodes, batch in capture["batches"]:
+        for row, ep in enumerate(episodes):
+            sampled = []
+            for start, end in action_runs(ep):
+                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
+                sampled += ep.token_ids[start:end]
+            assert batch["targets"][row][batch["action_mask"][row]].tolist() == sampled
+            assert len(sampled) == ep.n_actions > 0
+            rows.append(ep)
+    return rows
+
+
 def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture, registered):
     registered(Echo)
     tokenizer = merging_model_dir(tmp_path)
     train({"env": "test_echo", "model": {"preset": None, "path": str(tmp_path)}, "loop": {**SMALL, "steps": 3},
            "warm_start": {"steps": 0}})
-    generated = {}  # (context, ids) -> the log-probs of each generation that produced them
-    for r in capture["generations"]:
-        generated.setdefault((tuple(r.context), tuple(r.ids)), []).append(r.logprobs)
+    rows = trained_as_sampled(capture)
+    assert len(rows) == 3 * 2 * 4
     retokenized_differs = 0
-    n_episodes = 0
-    for episodes, batch in capture["batches"]:
-        for row, ep in enumerate(episodes):
-            n_episodes += 1
-            # Every maximal run of action tokens is exactly one sampler generation, continuing exactly the context
-            # before it, with its recorded log-probs.
-            runs = action_runs(ep)
-            sampled = []
-            for start, end in runs:
-                assert ep.logprobs[start:end] in generated[(tuple(ep.token_ids[:start]), tuple(ep.token_ids[start:end]))]
-                sampled += ep.token_ids[start:end]
-                ids = [t for t in ep.token_ids[start:end] if t != tokenizer.eos_token_id]
-                retokenized_differs += tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] != ids
-            # The trained positions of the collated batch are those tokens, with those ids, and nothing else.
-            trained = batch["targets"][row][batch["action_mask"][row]].tolist()
-            assert trained == sampled
-            assert len(sampled) == ep.n_actions > 0
-    assert n_episodes == 3 * 2 * 4
+    for ep in rows:
+        for start, end in action_runs(ep):
+            ids = [t for t in ep.token_ids[start:end] if t != tokenizer.eos_token_id]
+            retokenized_differs += tokenizer(tokenizer.decode(ids), add_special_tokens=False)["input_ids"] != ids
     assert retokenized_differs > 0  # the hazard was really there
 
 
