@@ -130,6 +130,8 @@ class Training:
         found = checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None
         if found:
             self.restore(found)
+        elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
+            self.sink.event("warm_start", f"{self.cfg.env} has no demonstrations: no warm start", steps=0)
         elif self.cfg.warm_start.steps:
             await self.warm_start()
             if self.reference is not None:

@@ -10,7 +10,7 @@ import torch
 from .agents import Agent
 from .algo import masked_mean
 from .chat import Template, parser, run_tools
-from .envs import DEMO_SEEDS, make_env
+from .envs import DEMO_SEEDS, Env, make_env
 from .episode import Episode, collate, to_device, token_logprobs
 from .server import AgentServer, template_message
 
@@ -32,6 +32,7 @@ class Rollout:
         self.template = Template(self.tokenizer, env.tools, stops) if env.chat else None
         self.parse = parser(cfg.model.tool_parser)
         self.notes, self.tools, self.server = list(env.notes), {}, None
+        self.demonstrates = type(env).demonstration not in (Env.demonstration, Agent.demonstration)
         if isinstance(env, Agent):  # its requests come to a loopback OpenAI server (Training runs `server.serve`)
             model = cfg.model.path.rstrip("/").rsplit("/", 1)[-1] if cfg.model.path else cfg.model.preset
             self.server = AgentServer(self.tokenizer, stops, context_limit, self.parse, model, cfg.seed)

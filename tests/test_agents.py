@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
 
-from molt_engine import train
+from molt_engine import EnvFailure, NullSink, train
 from molt_engine.agents import CALCULATOR, Agent, AgentContext
 from molt_engine.algo import advantages
 from molt_engine.chat import hermes, stop_ids
@@ -334,3 +334,52 @@ def test_a_forced_tool_call_starts_the_reply_with_the_call_opening_as_prompt():
     ((start, _),) = action_runs(segment)
     assert chat_tokenizer().decode(segment.token_ids[:start]).endswith("<|im_start|>assistant\n" + opening)
     assert error.status_code == 400 and error.param == "tool_choice" and "needs tools" in error.message
+
+
+class FlakyAgent(Agent):
+    """Asks once; for some prompts it then raises, for others it hangs past its timeout."""
+    name = "test_flaky_agent"
+    max_tokens = 4
+    timeout = 2.0
+    failed = {"raised": 0, "hung": 0}
+
+    async def run(self, ctx):
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "Hi"}])
+        if ctx.seed % 5 == 1:
+            self.failed["raised"] += 1
+            raise RuntimeError("the agent's own bug")
+        if ctx.seed % 5 == 3:
+            self.failed["hung"] += 1
+            await asyncio.Event().wait()
+        return float(ctx.seed % 2)
+
+
+class Steps(NullSink):
+    def __init__(self):
+        self.rows = []
+
+    def metrics(self, step, values):
+        self.rows.append(values)
+
+
+def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stops_the_run():
+    ENVS.setdefault(FlakyAgent.name, FlakyAgent)
+    sink = Steps()
+    summary = train({"env": FlakyAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
+                     "loop": {**SMALL, "steps": 4}}, sink)
+    assert summary["status"] == "completed"
+    assert FlakyAgent.failed["raised"] > 0 and FlakyAgent.failed["hung"] > 0
+    assert sum(r["agent_errors"] for r in sink.rows) == FlakyAgent.failed["raised"] + FlakyAgent.failed["hung"]
+
+    ENVS.setdefault(BrokenAgent.name, BrokenAgent)
+    with pytest.raises(EnvFailure, match="the agent's own bug"):
+        train({"env": BrokenAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
+               "loop": {**SMALL, "steps": 4}})
+
+
+class BrokenAgent(Agent):
+    name = "test_broken_agent"
+
+    async def run(self, ctx):
+        raise RuntimeError("the agent's own bug")

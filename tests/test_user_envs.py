@@ -1,4 +1,5 @@
 """A user's own env directory (--envs / $MOLT_ENVS): loaded by every process, listed, launched, and broken files named."""
+import json
 import subprocess
 import sys
 import textwrap
@@ -115,3 +116,37 @@ def test_served_user_env_is_listed_launched_and_completes_beside_a_built_in_run(
         built_in = served.create({**FAST, "loop": {**FAST["loop"], "steps": 10}})
         assert served.wait(user["id"], timeout=300)["status"] == "completed"
         assert served.wait(built_in["id"], timeout=300)["status"] == "completed"
+
+
+USER_AGENT = '''
+import openai
+from molt_engine import Agent, register
+
+
+@register
+class UserAgent(Agent):
+    """Ask once with the OpenAI SDK; reward the length of the reply, odd or even."""
+    name = "user_agent"
+    max_tokens = 4
+
+    async def run(self, ctx):
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            reply = await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "Hi"}])
+        return float(len(reply.choices[0].message.content or "") % 2)
+'''
+
+
+def test_molt_train_runs_a_user_agent_from_the_env_directory(tmp_path):
+    """No demonstration: the default warm start is skipped, and said."""
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "agent.py").write_text(USER_AGENT)
+    (tmp_path / "run.json").write_text(json.dumps({"loop": {"groups_per_step": 2, "group_size": 4, "eval_every": 0}}))
+    done = subprocess.run(molt("train", "--envs", str(tmp_path / "envs"), "--env", "user_agent", "--preset",
+                               "tiny-chat", "--steps", "3", "--config", str(tmp_path / "run.json"), "--out",
+                               str(tmp_path / "out")),
+                          capture_output=True, text=True, cwd=ROOT, env=child_env(tmp_path / "home"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["status"] == "completed" and summary["segments_per_episode"] == 1.0
+    assert summary["agent_errors"] == 0 and "env_errors" not in summary
+    assert "user_agent has no demonstrations: no warm start" in done.stdout + done.stderr
