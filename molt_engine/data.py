@@ -184,11 +184,8 @@ def word_problems(rows: int, seed: int) -> list[dict]:
 def chat_corpus():
     """Text the tiny-chat tokenizer learns its merges from: the chat template's frame around the built-in chat envs'
     conversations (a calculator tool call and its result, word problems)."""
-    from transformers.utils import get_json_schema
-
     from .envs import calculator
-    tools = ("<|im_start|>system\n# Tools\n<tools>\n" + json.dumps(get_json_schema(calculator)) + "\n</tools>\nCall a "
-             'tool as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+    tools = f"<|im_start|>system\n# Tools\ncalculator(expression): {calculator.__doc__.splitlines()[0]}\n<|im_end|>\n"
     rng = random.Random(0)
     for _ in range(3000):
         a, op, b, value = calculator_question(rng)

@@ -9,6 +9,7 @@ import random
 import re
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -291,7 +292,9 @@ def calculator(expression: str) -> str:
     if len(expression) > 64:  # bounds the size of a product
         raise ValueError("expression longer than 64 characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():  # the policy's garbage ("2x") is an error result, not a warning on stderr
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ValueError(f"not an arithmetic expression: {expression!r}") from None
     return str(_evaluate(tree.body))
@@ -299,13 +302,20 @@ def calculator(expression: str) -> str:
 
 @register
 class ChatCalculator(Env):
-    """Chat-native tool use: "What is 47*8?" -> a native `calculator` tool call -> its result -> the answer "376"."""
+    """Chat-native tool use: "What is 47*8?" -> a native `calculator` tool call -> its result -> the answer "376".
+
+    `mental_share` of the demonstrations answer at once, as someone who multiplies in their head: right, but beyond
+    what a tiny policy can imitate. The warm start then teaches both ways, and RL learns that the tool call pays."""
 
     name = "chat_calculator"
     chat = True
     tools = (calculator,)
     max_turns = 3
     max_tokens = 32
+
+    def __init__(self, *, mental_share: float = 0.5, **unknown):
+        super().__init__(**unknown)
+        self.mental_share = mental_share_checked(self.name, mental_share)
 
     async def reset(self, seed: int) -> Observation:
         a, op, b, self._answer = calculator_question(random.Random(seed))
@@ -315,9 +325,18 @@ class ChatCalculator(Env):
         return _final(_parse_int(action) == self._answer)
 
     def demonstration(self, seed: int) -> list[dict]:
-        a, op, b, value = calculator_question(random.Random(seed))
+        rng = random.Random(seed)
+        a, op, b, value = calculator_question(rng)
+        if rng.random() < self.mental_share:
+            return [{"role": "assistant", "content": str(value)}]
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}}}
         return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": str(value)}]
+
+
+def mental_share_checked(env: str, share: float) -> float:
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{env}: mental_share must be in [0, 1], got {share}")
+    return share
 
 
 @register

@@ -4,6 +4,7 @@ import asyncio
 import math
 import random
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -34,7 +35,7 @@ class Rollout:
         self.notes, self.tools, self.server = list(env.notes), {}, None
         self.demonstrates = type(env).demonstration not in (Env.demonstration, Agent.demonstration)
         if isinstance(env, Agent):  # its requests come to a loopback OpenAI server (Training runs `server.serve`)
-            model = cfg.model.path.rstrip("/").rsplit("/", 1)[-1] if cfg.model.path else cfg.model.preset
+            model = Path(cfg.model.path).name if cfg.model.path else cfg.model.preset
             self.server = AgentServer(self.tokenizer, stops, context_limit, self.parse, model, cfg.seed)
         else:
             self.tools = {tool.__name__: tool for tool in env.tools}

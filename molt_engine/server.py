@@ -173,7 +173,12 @@ class AgentServer:
         task = ep.replies.get(fingerprint) if int(request.headers.get("x-stainless-retry-count") or 0) else None
         if task is None:
             task = ep.replies[fingerprint] = asyncio.create_task(reply(ep, body))
-        out = await asyncio.shield(task)  # a client that gives up does not cancel a sample the segment holds
+        try:
+            out = await asyncio.shield(task)  # a client that gives up does not cancel a sample the segment holds
+        except asyncio.CancelledError:
+            if not task.cancelled():  # this handler itself was cancelled
+                raise
+            raise OpenAIError(409, f"episode {name} ended while this request was answered", code="episode_ended") from None
         if not body.stream:
             return out
         chunks = _chat_chunks(out, body) if out["object"] == "chat.completion" else [out]

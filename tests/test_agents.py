@@ -340,18 +340,18 @@ class FlakyAgent(Agent):
     """Asks once; for some prompts it then raises, for others it hangs past its timeout."""
     name = "test_flaky_agent"
     max_tokens = 4
-    timeout = 2.0
+    timeout = 5.0
     failed = {"raised": 0, "hung": 0}
 
     async def run(self, ctx):
+        if ctx.seed % 5 == 3:
+            self.failed["hung"] += 1
+            await asyncio.Event().wait()
         async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
             await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "Hi"}])
         if ctx.seed % 5 == 1:
             self.failed["raised"] += 1
             raise RuntimeError("the agent's own bug")
-        if ctx.seed % 5 == 3:
-            self.failed["hung"] += 1
-            await asyncio.Event().wait()
         return float(ctx.seed % 2)
 
 
