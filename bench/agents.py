@@ -3,47 +3,27 @@ server) vs the chat calculator env, on the same warm-started tiny-chat policy, 6
 
     python bench/agents.py --steps 12 --pairs 3
 
-A warm start of --warm-steps (lr 1e-3) on the chat calculator's demonstrations is saved once; every run loads it
-(warm_start 0), so both paths sample from the same weights and make the same tool calls. groups_per_step 8 x
+The warm start of bench/chat_learning.py's calculator recipe (seed 0, --warm-steps at lr 1e-3, on the chat
+calculator's demonstrations: the calculator agent's are the same tokens) is saved once; every run loads it
+(warm_start 0), so both paths sample from the same weights: well-formed calls, so that an episode takes the same
+turns on both paths (a malformed call is an error result and another turn for the env, the end for the agent). groups_per_step 8 x
 group_size 8: 64 episodes in flight, i.e. 64 agents at once on the agent path. Runs alternate env, agent, env, agent,
 ... (--pairs pairs), so load changes hit both. Prints per run the median samples/s over the steps after the first,
 the mean decode batch (requests per decode step: sampler_occupancy x 64), requests per episode and agent errors;
 then the median of the per-pair ratios agent/env samples/s and the overhead (1 - ratio).
 """
 import argparse
-import asyncio
 import statistics
 import tempfile
+from pathlib import Path
 
 import torch
+from chat_learning import warm_started
+from chat_overhead import Rates
 
-from molt_engine import NullSink, train
-from molt_engine.chat import stop_ids
-from molt_engine.config import RunConfig
-from molt_engine.models import load_policy
-from molt_engine.rollout import Rollout
+from molt_engine import train
 
 IN_FLIGHT = 64
-
-
-class Rates(NullSink):
-    def __init__(self):
-        self.rows = []
-
-    def metrics(self, step, values):
-        if "samples_per_s" in values:
-            self.rows.append(values)
-
-
-def warm_started(directory: str, steps: int):
-    cfg = RunConfig.model_validate({"env": "chat_calculator", "model": {"preset": "tiny-chat"},
-                                    "warm_start": {"steps": steps, "lr": 1e-3}})
-    model, tok = load_policy(cfg.model, cfg.seed)
-    rollout = Rollout(cfg, tok, model.config.max_position_embeddings, stop_ids(tok))
-    loss = asyncio.run(rollout.warm_start(model, tok.pad_token_id, lambda: False))
-    model.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    print(f"warm start: {steps} steps, final loss {loss:.3f}", flush=True)
 
 
 def run(env: str, directory: str, steps: int) -> dict:
@@ -71,11 +51,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--warm-steps", type=int, default=150)
+    parser.add_argument("--warm-steps", type=int, default=1000, help="as bench/chat_learning.py's recipe")
+    parser.add_argument("--warm-dir", type=Path, help="keep the warm-started policy here (chat_learning.py's too)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as directory:
-        warm_started(directory, args.warm_steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = str(warm_started({"env": "chat_calculator", "model": {"preset": "tiny-chat"}, "seed": 0,
+                                      "warm_start": {"steps": args.warm_steps, "lr": 1e-3}}, args.warm_dir or Path(tmp)))
         ratios = []
         for pair in range(args.pairs):
             print(f"pair {pair}", flush=True)

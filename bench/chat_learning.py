@@ -9,10 +9,11 @@ Prints, per seed, a line every 10 RL steps (minutes since the start of RL, the 1
 reward, tool-call rate, tool errors per step, strict/flexible accuracy where the env reports them), then a summary:
 the first RL step (what the warm start left), when the 10-step average first reached the target (calculator: reward
 0.8; dataset: strict accuracy 0.3 above the first step's), and the greedy evals on held-out prompts (the dataset's
-eval file) every 20 steps. RL stops after --minutes.
+eval file) every 20 steps. RL stops at the target, or after --minutes.
 """
 import argparse
 import asyncio
+import hashlib
 import json
 import statistics
 import tempfile
@@ -24,6 +25,7 @@ import torch
 from molt_engine import NullSink, RunConfig, train
 from molt_engine.chat import stop_ids
 from molt_engine.data import word_problems
+from molt_engine.envs import DEMO_SEEDS
 from molt_engine.models import load_policy
 from molt_engine.rollout import Rollout
 
@@ -32,10 +34,10 @@ RECIPES = {
     # about step 150-250 at lr 1e-3.
     "calculator": {"env": "chat_calculator", "model": {"preset": "tiny-chat"},
                    "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0},
-                   "warm_start": {"steps": 500, "lr": 1e-3}},
+                   "warm_start": {"steps": 1000, "lr": 1e-3}},
     "agent": {"env": "calculator_agent", "model": {"preset": "tiny-chat"},
               "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0},
-              "warm_start": {"steps": 500, "lr": 1e-3}},
+              "warm_start": {"steps": 1000, "lr": 1e-3}},
     "dataset": {"env": "dataset", "model": {"preset": "tiny-chat"},
                 "loop": {"groups_per_step": 8, "group_size": 8, "eval_every": 0, "eval_episodes": 100},
                 "env_args": {"reward": "gsm8k", "max_tokens": 24}, "warm_start": {"steps": 200, "lr": 1e-3},
@@ -112,32 +114,35 @@ def main():
 
 def warm_started(config: dict, directory: Path) -> Path:
     """The run's supervised warm start (what train() does before RL), saved once under `directory`; RL runs load it
-    (model.path, warm_start 0), so a change of RL settings needs no new warm start."""
-    ws = config["warm_start"]
-    path = directory / f"{config['env']}-seed{config['seed']}-{ws['steps']}-steps-lr{ws.get('lr')}"
+    (model.path, warm_start 0), so a change of RL settings needs no new warm start. A policy is kept by what made it
+    (seed, steps, lr and the demonstrations' tokens): the chat calculator and calculator_agent, whose demonstrations
+    are the same tokens, share theirs."""
+    cfg = RunConfig.model_validate(config)
+    torch.set_num_threads(cfg.loop.threads)
+    model, tok = load_policy(cfg.model, cfg.seed)
+    rollout = Rollout(cfg, tok, model.config.get_text_config().max_position_embeddings, stop_ids(tok))
+    first = asyncio.run(rollout.demonstration(DEMO_SEEDS))
+    digest = hashlib.sha1(repr((first.token_ids, first.is_action)).encode()).hexdigest()[:10]
+    path = directory / f"seed{cfg.seed}-{cfg.warm_start.steps}-steps-lr{cfg.warm_start.lr}-demos-{digest}"
     if not path.exists():
-        cfg = RunConfig.model_validate(config)
-        torch.set_num_threads(cfg.loop.threads)
-        model, tok = load_policy(cfg.model, cfg.seed)
-        rollout = Rollout(cfg, tok, model.config.get_text_config().max_position_embeddings, stop_ids(tok))
         t0 = time.perf_counter()
         loss = asyncio.run(rollout.warm_start(model, tok.pad_token_id, lambda: False))
         model.save_pretrained(path)
         tok.save_pretrained(path)
-        print(f"  warm start: {ws['steps']} steps at lr {cfg.warm_start.lr}, final loss {loss:.3f}, "
+        print(f"  warm start: {cfg.warm_start.steps} steps at lr {cfg.warm_start.lr}, final loss {loss:.3f}, "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     return path
 
 
 def train_for(config: dict, sink: Progress, seconds: float) -> dict:
-    """train() with a time box on RL: the sink asks for a stop (SIGINT to this process) once `seconds` have passed
-    since the warm start; the run ends as `stopped` with the steps done so far."""
+    """train() with a time box on RL: the sink asks for a stop (SIGINT to this process) once the target is reached
+    or `seconds` have passed since RL began; the run ends as `stopped` with the steps done so far."""
     import os
     import signal
     import threading
 
     def watchdog():
-        while sink.start is None or time.perf_counter() - sink.start < seconds:
+        while sink.reached is None and (sink.start is None or time.perf_counter() - sink.start < seconds):
             time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGINT)
     threading.Thread(target=watchdog, daemon=True).start()

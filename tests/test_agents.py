@@ -295,13 +295,17 @@ def test_64_agents_at_once_are_batched_together_and_every_request_is_answered():
         max_tokens = 8
 
         async def run(self, ctx):
-            async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0) as client:
-                messages = [{"role": "user", "content": f"Count to {ctx.seed}."}]
-                for _ in range(2):
-                    reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-                    messages += [reply.choices[0].message.model_dump(exclude_none=True),
-                                 {"role": "user", "content": "Go on."}]
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client,
+                                        max_retries=0)
+            messages = [{"role": "user", "content": f"Count to {ctx.seed}."}]
+            for _ in range(2):
+                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                             {"role": "user", "content": "Go on."}]
+            clients.append(ctx.http_client)
             return 1.0
+
+    clients = []
 
     async def many():
         async with serving() as (server, sampler):
@@ -309,6 +313,7 @@ def test_64_agents_at_once_are_batched_together_and_every_request_is_answered():
                                           for i in range(64))), sampler
     episodes, sampler = asyncio.run(many())
     assert len(episodes) == 64 and all(len(segments) == 1 for segments in episodes)
+    assert len({id(c) for c in clients}) == 64 and all(c.is_closed for c in clients)  # each episode's own, closed
     assert all(len(action_runs(segments[0])) == 2 for segments in episodes)  # 128 requests, 128 replies recorded
     assert sampler.stats["tokens"] == sum(e - s for (seg,) in episodes for s, e in action_runs(seg))
     # Requests per decode step: the agents' requests were decoded together, not one by one.

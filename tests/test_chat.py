@@ -184,3 +184,22 @@ def test_template_delta_after_a_tool_turn_is_the_suffix():
     # A reply cut off before its end of turn gets the end-of-turn token as non-action context.
     tail, _ = template.after_reply(history + [call], [{"role": "tool", "content": "42"}], ended=False)
     assert tok.decode(tail).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
+
+
+def test_calculator_demonstrations_answer_in_the_head_for_their_mental_share():
+    from pydantic import ValidationError
+
+    from molt_engine import RunConfig
+    from molt_engine.agents import CalculatorAgent
+    from molt_engine.envs import ChatCalculator
+
+    def calls(demo):
+        return any(m.get("tool_calls") for m in demo)
+    seeds = range(200)
+    for cls in (ChatCalculator, CalculatorAgent):
+        assert all(calls(cls(mental_share=0.0).demonstration(s)) for s in seeds)
+        assert not any(calls(cls(mental_share=1.0).demonstration(s)) for s in seeds)
+        share = sum(not calls(cls().demonstration(s)) for s in seeds) / len(seeds)
+        assert 0.35 < share < 0.65
+        with pytest.raises(ValidationError, match="mental_share must be in"):
+            RunConfig.model_validate({"env": cls.name, "model": {"preset": "tiny-chat"}, "env_args": {"mental_share": 2}})
