@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
-from .envs import Env, _parse_int, calculator, calculator_question, mental_share_checked, register
+from .envs import ChatCalculator, Env, _parse_int, calculator, calculator_question, register
 
 
 @dataclass
@@ -56,17 +56,17 @@ CALCULATOR = {"type": "function", "function": {
 
 @register
 class CalculatorAgent(Agent):
-    """The chat calculator as agent code: ask, run the calculator the policy calls, score the answer. Its
-    demonstrations are the chat calculator's (`mental_share` of them answer at once)."""
+    """The chat calculator as agent code: ask, run the calculator the policy calls, score the answer. Its env args
+    and demonstrations are the chat calculator's (`mental_share` of them answer at once)."""
 
     name = "calculator_agent"
     tools = (CALCULATOR,)
     max_tokens = 32
     max_turns = 3
 
-    def __init__(self, *, mental_share: float = 0.5, **unknown):
-        super().__init__(**unknown)
-        self.mental_share = mental_share_checked(self.name, mental_share)
+    def __init__(self, **env_args):
+        super().__init__()
+        self.env = ChatCalculator(**env_args)  # the same question, answer and demonstrations
 
     async def run(self, ctx: AgentContext) -> float:
         a, op, b, value = calculator_question(random.Random(ctx.seed))
@@ -91,13 +91,12 @@ class CalculatorAgent(Agent):
         return 0.0
 
     def demonstration(self, seed: int) -> list[dict]:
-        rng = random.Random(seed)
-        a, op, b, value = calculator_question(rng)
-        question = {"role": "user", "content": f"What is {a}{op}{b}?"}
-        if rng.random() < self.mental_share:
-            return [question, {"role": "assistant", "content": str(value)}]
-        call = {"id": "call_0", "type": "function",
-                "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{a}{op}{b}"})}}
-        return [question, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_0", "content": str(value)},
-                {"role": "assistant", "content": str(value)}]
+        """The chat calculator's demonstration as a whole conversation: the question, then its replies, a call
+        followed by the tool's result."""
+        a, op, b, value = calculator_question(random.Random(seed))
+        messages = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
+        for reply in self.env.demonstration(seed):
+            messages.append(reply)
+            if reply.get("tool_calls"):
+                messages.append({"role": "tool", "content": str(value)})
+        return messages

@@ -315,7 +315,9 @@ class ChatCalculator(Env):
 
     def __init__(self, *, mental_share: float = 0.5, **unknown):
         super().__init__(**unknown)
-        self.mental_share = mental_share_checked(self.name, mental_share)
+        if not 0.0 <= mental_share <= 1.0:
+            raise ValueError(f"{self.name}: mental_share must be in [0, 1], got {mental_share}")
+        self.mental_share = mental_share
 
     async def reset(self, seed: int) -> Observation:
         a, op, b, self._answer = calculator_question(random.Random(seed))
@@ -331,12 +333,6 @@ class ChatCalculator(Env):
             return [{"role": "assistant", "content": str(value)}]
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}}}
         return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": str(value)}]
-
-
-def mental_share_checked(env: str, share: float) -> float:
-    if not 0.0 <= share <= 1.0:
-        raise ValueError(f"{env}: mental_share must be in [0, 1], got {share}")
-    return share
 
 
 @register
