@@ -36,8 +36,8 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # the SDKs send fields that change nothing here (user, metadata, ...)
     model: str
     max_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0, le=2)  # 0 decodes greedily; any other value samples as the run does
-    top_p: float = Field(1.0, gt=0, le=1)        # accepted; the run's distribution is what is trained
+    temperature: float | None = Field(None, ge=0, le=2)  # 0 decodes greedily; any other value samples as the run does
+    top_p: float | None = Field(None, gt=0, le=1)        # accepted; the run's distribution is what is trained
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request: each is a sample the episode trains on")
