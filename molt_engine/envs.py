@@ -313,7 +313,7 @@ class ChatCalculator(Env):
     max_turns = 3
     max_tokens = 32
 
-    def __init__(self, *, mental_share: float = 0.5, **unknown):
+    def __init__(self, *, mental_share: float = 0.6, **unknown):
         super().__init__(**unknown)
         if not 0.0 <= mental_share <= 1.0:
             raise ValueError(f"{self.name}: mental_share must be in [0, 1], got {mental_share}")
