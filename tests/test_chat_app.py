@@ -27,6 +27,13 @@ def test_env_list_says_which_envs_speak_chat_and_their_tools(web):
     assert not envs["max_digit"]["chat"] and not envs["chat_calculator"]["agent"]
     agent = envs["calculator_agent"]
     assert agent["agent"] and agent["chat"] and agent["tools"] == ["calculator"] and agent["source"] is None
+    # An agent is submitted over REST like an env, and refused like a chat env on a template-less policy.
+    queued = web["client"].post("/api/v1/runs", json={"config": {"env": "calculator_agent",
+                                                                 "model": {"preset": "tiny-chat"}}})
+    assert queued.status_code == 201 and queued.json()["config"]["env"] == "calculator_agent"
+    refused = web["client"].post("/api/v1/runs", json={"config": {"env": "calculator_agent",
+                                                                  "model": {"preset": "tiny-dense"}}})
+    assert refused.status_code == 422 and "no chat template" in refused.text
 
 
 @pytest.mark.parametrize("env_args, model, problem", [
