@@ -93,7 +93,7 @@ class AgentServer:
         self.listening = asyncio.Event()  # set once the port is bound: episodes wait for it
         self.tls = ssl.create_default_context()  # made once (~25 ms): it makes each episode's HTTP client cheap
         self.app = app = FastAPI(title="molt agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(OpenAIError, lambda request, e: JSONResponse(e.body, status_code=e.status))
+        app.add_exception_handler(OpenAIError, _openai_error)
         app.add_exception_handler(RequestValidationError, _bad_request)
         app.post("/e/{name}/v1/chat/completions")(self.chat_completions)
         app.post("/e/{name}/v1/completions")(self.completions)
@@ -182,10 +182,9 @@ class AgentServer:
             task = ep.replies[fingerprint] = asyncio.create_task(reply(ep, body))
         try:
             out = await asyncio.shield(task)  # a client that gives up does not cancel a sample the segment holds
-        except asyncio.CancelledError:
-            if not task.cancelled():  # this handler itself was cancelled
-                raise
-            raise OpenAIError(409, f"episode {name} ended while this request was answered", code="episode_ended") from None
+        except asyncio.CancelledError:  # an answer, not an error in the log, also when the whole run is ending
+            raise OpenAIError(409, f"episode {name} (or its run) ended while this request was answered",
+                              code="episode_ended") from None
         if not body.stream:
             return out
         chunks = _chat_chunks(out, body) if out["object"] == "chat.completion" else [out]
@@ -352,6 +351,10 @@ async def _sse(chunks: list[dict]):
     for chunk in chunks:
         yield f"data: {json.dumps(chunk)}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def _openai_error(request, e: OpenAIError):  # async: a sync handler would wait on a thread at the run's end
+    return JSONResponse(e.body, status_code=e.status)
 
 
 async def _bad_request(request, e: RequestValidationError):
