@@ -3,10 +3,11 @@ server) vs the chat calculator env, on the same warm-started tiny-chat policy, 6
 
     python bench/agents.py --steps 12 --pairs 3
 
-The warm start of bench/chat_learning.py's calculator recipe (seed 0, --warm-steps at lr 1e-3, on the chat
-calculator's demonstrations: the calculator agent's are the same tokens) is saved once; every run loads it
-(warm_start 0), so both paths sample from the same weights: well-formed calls, so that an episode takes the same
-turns on both paths (a malformed call is an error result and another turn for the env, the end for the agent). groups_per_step 8 x
+A warm start as bench/chat_learning.py's calculator recipe (seed 0, --warm-steps at lr 1e-3), but on demonstrations
+that always call the tool (mental_share 0; the calculator agent's are the same tokens), is saved once; every run loads
+it (warm_start 0). Both paths then sample from the same weights, and the calls are well formed: an episode takes the
+same turns on both paths (a malformed call is an error result and another turn for the env, but the end of the
+episode for the agent, which gets it back as content). groups_per_step 8 x
 group_size 8: 64 episodes in flight, i.e. 64 agents at once on the agent path. Runs alternate env, agent, env, agent,
 ... (--pairs pairs), so load changes hit both. Prints per run the median samples/s over the steps after the first,
 the mean decode batch (requests per decode step: sampler_occupancy x 64), requests per episode and agent errors;
@@ -57,7 +58,8 @@ def main():
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         directory = str(warm_started({"env": "chat_calculator", "model": {"preset": "tiny-chat"}, "seed": 0,
-                                      "warm_start": {"steps": args.warm_steps, "lr": 1e-3}}, args.warm_dir or Path(tmp)))
+                                      "env_args": {"mental_share": 0.0}, "warm_start": {"steps": args.warm_steps, "lr": 1e-3}},
+                                     args.warm_dir or Path(tmp)))
         ratios = []
         for pair in range(args.pairs):
             print(f"pair {pair}", flush=True)
