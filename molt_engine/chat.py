@@ -40,12 +40,15 @@ class Template:
                                                   add_generation_prompt=generation)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def suffix(self, history: list[dict], new: list[dict], generation: bool) -> tuple[list[int], bool]:
+    def suffix(self, history: list[dict], new: list[dict], generation: bool, before: list[int] | None = None
+               ) -> tuple[list[int], bool]:
         """render(history + new) minus render(history), checked as a token prefix (the history rendered with a
         generation prompt when `generation` is false: `new` is then the reply to it). When the template renders the
         history differently once `new` follows (Qwen3 drops earlier <think> blocks), `new` is rendered after the first
-        message alone, which keeps the template's preamble out of it; the second value says so (a prefix break)."""
-        before, after = self.ids(history, not generation), self.ids(history + new, generation)
+        message alone, which keeps the template's preamble out of it; the second value says so (a prefix break).
+        `before`: the history's render, when the caller has it already."""
+        before = self.ids(history, not generation) if before is None else before
+        after = self.ids(history + new, generation)
         if after[:len(before)] == before:
             return after[len(before):], False
         before, after = self.ids(history[:1], not generation), self.ids(history[:1] + new, generation)
@@ -66,7 +69,7 @@ class Template:
         rendered = self.ids(history)
         ends = [i for i, t in enumerate(rendered) if t in self.stops]
         closing = rendered[ends[-1] + ended:] if ends else []
-        delta, broke = self.suffix(history, new, generation=True)
+        delta, broke = self.suffix(history, new, generation=True, before=rendered)  # rendered without a prompt
         return closing + delta, broke
 
 

@@ -32,6 +32,11 @@ class Episode:
         self.entropies += entropies if action and entropies else [0.0] * len(ids)
 
     @property
+    def opens_episode(self) -> bool:
+        """False for an agent's later segments: rows of an episode already counted by its first."""
+        return not self.info.get("segment")
+
+    @property
     def n_actions(self) -> int:
         return sum(self.is_action)
 

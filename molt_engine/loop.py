@@ -85,8 +85,8 @@ class Training:
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
         self.recent_env_errors = deque(maxlen=cfg.loop.env_error_window)
         self.last_env_traceback = ""
-        self.counts = {"agent_errors" if self.rollout.server else "env_errors": 0, "stale_dropped": 0,
-                       "groups_filtered": 0}
+        self.errors = "agent_errors" if self.rollout.server else "env_errors"  # the counter a failed episode adds to
+        self.counts = {self.errors: 0, "stale_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}
         self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
@@ -209,7 +209,7 @@ class Training:
         episodes = []
         for r in results:
             if isinstance(r, EnvError):
-                self.counts["agent_errors" if self.rollout.server else "env_errors"] += 1
+                self.counts[self.errors] += 1
                 self.last_env_traceback = str(r)
             elif isinstance(r, BaseException):
                 raise r
@@ -221,7 +221,7 @@ class Training:
             raise EnvFailure(f"{sum(window)} of the last {window.maxlen} episodes failed in env "
                              f"{self.cfg.env!r}; last error:\n{self.last_env_traceback}")
         need = 2 if self.cfg.algo.estimator in GROUP_ESTIMATORS else 1
-        return episodes if sum(not e.info.get("segment") for e in episodes) >= need else None
+        return episodes if sum(e.opens_episode for e in episodes) >= need else None
 
     async def trainer(self):
         loop = self.cfg.loop

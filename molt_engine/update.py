@@ -52,12 +52,12 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
     device = next(model.parameters()).device
     # An agent's episode may train as several rows (segments): the baselines count each episode once, by its first
     # row, and its later rows take its advantage.
-    first = torch.tensor([not e.info.get("segment") for e in episodes])
+    first = torch.tensor([e.opens_episode for e in episodes])
     if algo.estimator in GROUP_ESTIMATORS:
-        adv = torch.cat([advantages(torch.tensor([[e.reward for e in g if not e.info.get("segment")]]),
-                                    algo.estimator)[0] for g in groups])
+        adv = torch.cat([advantages(torch.tensor([[e.reward for e in g if e.opens_episode]]), algo.estimator)[0]
+                         for g in groups])
     else:  # batch-level baseline: the whole batch is one "group"
-        adv = advantages(torch.tensor([[e.reward for e in episodes if not e.info.get("segment")]]), algo.estimator)[0]
+        adv = advantages(torch.tensor([[e.reward for e in episodes if e.opens_episode]]), algo.estimator)[0]
     adv = adv[first.cumsum(0) - 1]
     # Whole groups per minibatch (a group's prompt then runs once), in prompt order, the same in every epoch.
     bounds = [round(i * len(groups) / algo.minibatches) for i in range(algo.minibatches + 1)]
@@ -185,7 +185,7 @@ def memory_metrics(device: torch.device) -> dict:
 def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
     """What the batch's episodes say, whatever the update did with them: reward, pass rate, lengths, staleness."""
     rows = [e for g in groups for e in g]
-    episodes = [e for e in rows if not e.info.get("segment")]  # an agent's later segments are rows of the same one
+    episodes = [e for e in rows if e.opens_episode]
     n, action_tokens = len(episodes), sum(e.n_actions for e in rows)
     rewards = torch.tensor([e.reward for e in episodes])
     staleness = torch.tensor([version - v for e in rows for v, a in zip(e.versions, e.is_action) if a],
@@ -205,7 +205,7 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
 
 def eval_metrics(episodes: list[Episode]) -> dict:
     """An eval's numbers: reward, pass rate, tool-call rate and the env's own metrics, each `eval_`-prefixed."""
-    episodes = [e for e in episodes if not e.info.get("segment")]
+    episodes = [e for e in episodes if e.opens_episode]
     n = len(episodes)
     return {"eval_reward": sum(e.reward for e in episodes) / n,
             "eval_pass_rate": sum(e.info["success"] for e in episodes) / n,
