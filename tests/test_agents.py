@@ -27,7 +27,8 @@ QUESTION = {"role": "user", "content": "What is 2*3? Check three times."}
 
 
 class ThreeCallsAgent(Agent):
-    """Three calculator calls through the OpenAI SDK, then the answer; streamed when `stream` is set."""
+    """Three calculator calls through the OpenAI SDK, then the answer. Over 127.0.0.1 with a client of its own, or
+    streamed and in process (`ctx.http_client`) when `stream` is set."""
     name = "test_three_calls_agent"
     tools = [CALCULATOR]  # a list: the SDK sends it as it is
     max_tokens = 32
@@ -35,7 +36,8 @@ class ThreeCallsAgent(Agent):
 
     async def run(self, ctx: AgentContext) -> float:
         messages = [QUESTION]
-        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+        http = ctx.http_client if self.stream else None
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=http) as client:
             for _ in range(4):
                 message = await self.ask(client, ctx.model, messages)
                 messages.append(message)
@@ -382,6 +384,39 @@ def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stop
     with pytest.raises(EnvFailure, match="the agent's own bug"):
         train({"env": BrokenAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
                "loop": {**SMALL, "steps": 4}})
+
+
+def test_an_agent_cut_off_mid_request_by_its_timeout_stops_there():
+    """`ctx.http_client` runs the server's handler in the agent's own task: the timeout reaches the agent as a
+    cancellation, not as an error reply it could catch and go on from (or that the SDK would retry)."""
+    caught = []
+
+    class Patient(Agent):
+        name = "patient"
+        timeout = 1.0
+
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+            while True:
+                try:
+                    await client.chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": "Hi"}])
+                except openai.APIError as e:
+                    caught.append(e)
+
+    async def cut_off():
+        model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
+        stops = stop_ids(tok)
+        server = AgentServer(tok, stops, 1024, hermes, "tiny-chat", 0)
+        idle = Sampler(model, stops, tok.pad_token_id, 1.0)  # never run: the request waits for it until the timeout
+        serving = asyncio.create_task(server.serve())
+        try:
+            with pytest.raises(TimeoutError, match="ran longer than its timeout"):
+                await server.episode(Patient(), idle, 0, 0, 0, False)
+        finally:
+            serving.cancel()
+        return idle
+    idle = asyncio.run(cut_off())
+    assert caught == [] and len(idle.pending) == 1  # one request, never retried
 
 
 class BrokenAgent(Agent):
