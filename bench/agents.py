@@ -1,30 +1,47 @@
 """The agent path vs the env path on the same task: the calculator agent (the OpenAI SDK against the run's loopback
-server) vs the chat calculator env, on the same warm-started tiny-chat policy, 64 episodes at once.
+server) vs the chat calculator env, on the same warm-started tiny-chat policy, 64 episodes at once. The agent runs
+twice: with `ctx.http_client` (the endpoint in process, as the built-in agent uses it) and with a client of its own
+over 127.0.0.1 (as a framework that makes its own client).
 
-    python bench/agents.py --steps 12 --pairs 3
+    python bench/agents.py --steps 12 --rounds 5
 
 A warm start as bench/chat_learning.py's calculator recipe (seed 0, --warm-steps at lr 1e-3), but on demonstrations
 that always call the tool (mental_share 0; the calculator agent's are the same tokens), is saved once; every run loads
 it (warm_start 0). Both paths then sample from the same weights, and the calls are well formed: an episode takes the
 same turns on both paths (a malformed call is an error result and another turn for the env, but the end of the
 episode for the agent, which gets it back as content). groups_per_step 8 x
-group_size 8: 64 episodes in flight, i.e. 64 agents at once on the agent path. Runs alternate env, agent, env, agent,
-... (--pairs pairs), so load changes hit both. Prints per run the median samples/s over the steps after the first,
-the mean decode batch (requests per decode step: sampler_occupancy x 64), requests per episode and agent errors;
-then the median of the per-pair ratios agent/env samples/s and the overhead (1 - ratio).
+group_size 8: 64 episodes in flight, i.e. 64 agents at once on the agent path. Runs take turns, env, agent, agent over
+the socket (--rounds rounds), so load changes hit all three. Prints per run the median samples/s over the steps after
+the first, the mean decode batch (requests per decode step: sampler_occupancy x 64), requests per episode and agent
+errors; then for each agent path the median of the per-round ratios agent/env samples/s and the overhead (1 - ratio).
 """
 import argparse
+import dataclasses
+import ssl
 import statistics
 import tempfile
 from pathlib import Path
 
+import httpx
 import torch
 from chat_learning import warm_started
 from chat_overhead import Rates
 
-from molt_engine import train
+from molt_engine import register, train
+from molt_engine.agents import CalculatorAgent
 
 IN_FLIGHT = 64
+TLS = ssl.create_default_context()  # one for all clients: the SDK's own client makes one each (~25 ms)
+
+
+@register
+class SocketCalculatorAgent(CalculatorAgent):
+    """The calculator agent with an HTTP client of its own, over 127.0.0.1 to the run's uvicorn server."""
+    name = "calculator_agent_socket"
+
+    async def run(self, ctx):
+        async with httpx.AsyncClient(verify=TLS, trust_env=False) as http:
+            return await super().run(dataclasses.replace(ctx, http_client=http))
 
 
 def run(env: str, directory: str, steps: int) -> dict:
@@ -51,7 +68,7 @@ def run(env: str, directory: str, steps: int) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warm-steps", type=int, default=1000, help="as bench/chat_learning.py's recipe")
     parser.add_argument("--warm-dir", type=Path, help="keep the warm-started policy here (chat_learning.py's too)")
     args = parser.parse_args()
@@ -60,15 +77,16 @@ def main():
         directory = str(warm_started({"env": "chat_calculator", "model": {"preset": "tiny-chat"}, "seed": 0,
                                       "env_args": {"mental_share": 0.0}, "warm_start": {"steps": args.warm_steps, "lr": 1e-3}},
                                      args.warm_dir or Path(tmp)))
-        ratios = []
-        for pair in range(args.pairs):
-            print(f"pair {pair}", flush=True)
+        ratios = {"calculator_agent": [], "calculator_agent_socket": []}
+        for k in range(args.rounds):
+            print(f"round {k}", flush=True)
             env = run("chat_calculator", directory, args.steps)
-            agent = run("calculator_agent", directory, args.steps)
-            ratios.append(agent["samples_per_s"] / env["samples_per_s"])
-        ratio = statistics.median(ratios)
-        print(f"agent/env samples/s per pair {[round(r, 3) for r in ratios]}; median {ratio:.3f}, "
-              f"overhead {1 - ratio:.1%}")
+            for agent, rows in ratios.items():
+                rows.append(run(agent, directory, args.steps)["samples_per_s"] / env["samples_per_s"])
+        for agent, rows in ratios.items():
+            ratio = statistics.median(rows)
+            print(f"{agent}/env samples/s per round {[round(r, 3) for r in rows]}; median {ratio:.3f}, "
+                  f"overhead {1 - ratio:.1%}")
 
 
 if __name__ == "__main__":
