@@ -9,9 +9,9 @@ A warm start as bench/chat_learning.py's calculator recipe (seed 0, --warm-steps
 that always call the tool (mental_share 0; the calculator agent's are the same tokens), is saved once; every run loads
 it (warm_start 0). Both paths then sample from the same weights, and the calls are well formed: an episode takes the
 same turns on both paths (a malformed call is an error result and another turn for the env, but the end of the
-episode for the agent, which gets it back as content). groups_per_step 8 x
-group_size 8: 64 episodes in flight, i.e. 64 agents at once on the agent path. Runs take turns, env, agent, agent over
-the socket (--rounds rounds), so load changes hit all three. Prints per run the median samples/s over the steps after
+episode for the agent, which gets it back as content). groups_per_step 8 x group_size 8: 64 episodes in flight,
+i.e. 64 agents at once on the agent path. Runs take turns, env, agent, agent over the socket (--rounds rounds), so
+load changes hit all three. Prints per run the median samples/s over the steps after
 the first, the mean decode batch (requests per decode step: sampler_occupancy x 64), requests per episode and agent
 errors; then for each agent path the median of the per-round ratios agent/env samples/s and the overhead (1 - ratio).
 """
