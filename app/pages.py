@@ -13,7 +13,7 @@ from pydantic import ValidationError, create_model
 
 from daemon.records import Conflict, RunNotFound, RunRequest
 from daemon.models import ACTIVE, STATUSES, TERMINAL
-from molt_engine.agents import Agent
+from molt_engine.serving.agents import Agent
 from molt_engine.config import PRESETS, RunConfig
 from molt_engine.envs import ENVS, load_user_envs
 

@@ -16,7 +16,7 @@ from sqlalchemy import select
 
 from daemon.models import STATUSES, TERMINAL, Metric
 from daemon.records import Conflict, RunNotFound, RunRequest
-from molt_engine.agents import Agent
+from molt_engine.serving.agents import Agent
 from molt_engine.envs import ENVS, load_user_envs
 
 from .schemas import (AlertOut, AttemptOut, BadRequest, CheckpointOut, EnvInfo, EventOut, Health, Invalid, MetricsOut,

@@ -28,7 +28,7 @@ from chat_learning import warm_started
 from chat_overhead import Rates
 
 from molt_engine import register, train
-from molt_engine.agents import CalculatorAgent
+from molt_engine.serving.agents import CalculatorAgent
 
 IN_FLIGHT = 64
 TLS = ssl.create_default_context()  # one for all clients: the SDK's own client makes one each (~25 ms)

@@ -1,7 +1,7 @@
 """molt_engine: a compact async RL engine for language-model agents (plain PyTorch + transformers, no server)."""
 from .config import RunConfig, config_errors
 from .envs import ENVS, Env, Observation, Result, load_agents_dir, register
-from .agents import Agent, AgentContext  # registers the calculator agent
+from .serving.agents import Agent, AgentContext  # registers the calculator agent
 from .sink import NullSink, Sink
 from . import data  # noqa: E402,F401  registers the dataset env
 

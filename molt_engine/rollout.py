@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from .agents import Agent
+from .serving.agents import Agent
 from .algo import masked_mean
 from .chat import Template, parser, run_tools
 from .envs import DEMO_SEEDS, Env, make_env
 from .episode import Episode, collate, to_device, token_logprobs
-from .server import AgentServer, template_message
+from .serving.server import AgentServer, template_message
 
 
 class EnvError(Exception):

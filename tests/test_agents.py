@@ -12,7 +12,7 @@ import torch
 from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
 
 from molt_engine import EnvFailure, NullSink, RunConfig, train
-from molt_engine.agents import CALCULATOR, Agent, AgentContext
+from molt_engine.serving.agents import CALCULATOR, Agent, AgentContext
 from molt_engine.algo import advantages
 from molt_engine.chat import hermes, stop_ids
 from molt_engine.config import ModelConfig
@@ -20,7 +20,7 @@ from molt_engine.envs import DEMO_SEEDS, ENVS
 from molt_engine.models import chat_tokenizer, load_policy
 from molt_engine.rollout import Rollout
 from molt_engine.sampler import Sampler
-from molt_engine.server import AgentServer
+from molt_engine.serving.server import AgentServer
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 QUESTION = {"role": "user", "content": "What is 2*3? Check three times."}

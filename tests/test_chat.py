@@ -190,7 +190,7 @@ def test_calculator_demonstrations_answer_in_the_head_for_their_mental_share():
     from pydantic import ValidationError
 
     from molt_engine import RunConfig
-    from molt_engine.agents import CalculatorAgent
+    from molt_engine.serving.agents import CalculatorAgent
     from molt_engine.envs import ChatCalculator
 
     def calls(demo):

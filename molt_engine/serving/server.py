@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .agents import Agent, AgentContext
-from .chat import Template, hermes
-from .episode import Episode
+from ..chat import Template, hermes
+from ..episode import Episode
 
 
 class OpenAIError(Exception):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
-from .envs import ChatCalculator, Env, _parse_int, calculator, calculator_question, register
+from ..envs import ChatCalculator, Env, _parse_int, calculator, calculator_question, register
 
 
 @dataclass

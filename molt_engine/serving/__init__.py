@@ -1,0 +1,1 @@
+"""Serving: the loopback OpenAI-compatible server agents call, and the Agent contract. The engine's only HTTP."""
