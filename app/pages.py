@@ -1,5 +1,6 @@
 """The HTML pages (Jinja2 + HTMX): login, runs list, launch form, run page, compare; and their htmx partials."""
 import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Annotated
@@ -68,7 +69,11 @@ def check_csrf(request: Request, form_value: str | None):
 
 def guarded(handler):
     """Page handlers redirect to the login page instead of answering 401. They are plain functions: FastAPI runs
-    them in its thread pool, so their SQLite reads never hold up the event loop that the websockets share."""
+    them in its thread pool, so their SQLite reads never hold up the event loop that the websockets share. (The
+    wrapper is plain whatever the handler is: an `async def` handler would return an unawaited coroutine.)"""
+    if inspect.iscoroutinefunction(handler):
+        raise TypeError(f"page handler {handler.__name__} must be a plain def: it runs in the thread pool")
+
     @functools.wraps(handler)
     def wrapper(request: Request, *args, **kwargs):
         try:
@@ -345,7 +350,7 @@ def run_page(request: Request, run_id: int):
 
 @router.get("/runs/{run_id}/samples")
 @guarded
-async def samples_page(request: Request, run_id: int):
+def samples_page(request: Request, run_id: int):
     """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
     run = get_run_or_404(request, run_id)
     return render(request, "samples.html", run=run, page={"run_id": run_id})

@@ -1,13 +1,15 @@
 """The HTML pages against a real uvicorn and a real SQLite: login and its cookie, CSRF, the launch form's inline
 errors, paging, escaping, the thread pool, vendored assets only, a run's GPUs."""
-import asyncio
 import re
+from urllib.parse import urlencode
 
 import httpx
+import pytest
+from fastapi.routing import APIRoute
 from sqlalchemy import update
 from sqlmodel import Session
 
-from app.pages import machine_gpus
+from app.pages import guarded, machine_gpus
 from app_support import FAST, TOKEN, hook, logged_in, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from daemon.models import Run
 
@@ -77,12 +79,65 @@ def test_the_runs_page_pages_through_every_run(web):
     assert [r["id"] for r in page] == ids[-4:-1][::-1]
 
 
-def test_pages_run_in_the_thread_pool_not_on_the_event_loop():
-    """SQLite reads are synchronous: a page handler on the event loop would stall every websocket meanwhile."""
-    from app.pages import router
-    pages = [r for r in router.routes if r.path not in ("/login", "/logout")]  # these two read no records
-    assert len(pages) >= 8
-    assert not [r.path for r in pages if asyncio.iscoroutinefunction(r.endpoint)]
+# What the tests below fill into the pages' path parameters (a new parameter must be added here to be tested)
+PATH_PARAMS = {"panel": "records", "action": "stop", "alert_id": "1"}
+
+
+def page_routes(web) -> list[tuple[str, str]]:
+    """(method, URL) of every HTML page of the real app behind the login, as FastAPI routes requests to them."""
+    run = new_run(web)
+    values = {**PATH_PARAMS, "run_id": str(run["id"])}
+    found = []
+    for path, route in all_routes(web["app"].routes):
+        if not isinstance(route, APIRoute) or path.startswith(("/api/", "/docs", "/openapi")) \
+                or path in ("/login", "/logout", "/metrics"):
+            continue
+        for method in sorted(route.methods):
+            found.append((method, re.sub(r"{(\w+)}", lambda m: values[m.group(1)], path)))
+    return found
+
+
+def all_routes(routes, prefix: str = ""):
+    """(path, route) of every route, also those of the included routers (FastAPI keeps each as one entry)."""
+    for route in routes:
+        if hasattr(route, "original_router"):
+            yield from all_routes(route.original_router.routes, prefix + route.include_context.prefix)
+        else:
+            yield prefix + getattr(route, "path", ""), route
+
+
+def test_every_page_sends_a_visitor_without_a_session_to_the_login(web):
+    routes = page_routes(web)
+    assert len(routes) >= 10 and [url for method, url in routes if url.endswith("/samples")]
+    with httpx.Client(base_url=web["base"], timeout=10) as browser:
+        for method, url in routes:
+            response = browser.request(method, url)
+            assert response.status_code == 303, (method, url, response.status_code, response.text[:300])
+            assert response.headers["location"] == "/login?" + urlencode({"next": url}), (method, url)
+            response = browser.request(method, url, headers={"HX-Request": "true"})  # htmx: a full-page redirect
+            assert (response.status_code, response.headers.get("hx-redirect")) == (401, "/login"), (method, url)
+
+
+def test_every_page_opens_from_the_ready_to_click_url(web):
+    for method, url in page_routes(web):
+        if method != "GET":
+            continue
+        with httpx.Client(base_url=web["base"], timeout=10) as fresh:  # a browser without a session
+            response = fresh.get(url, params={"token": TOKEN})
+            assert response.status_code == 303 and response.headers["location"] == url, (url, response.text[:300])
+            assert "molt_session=" in response.headers["set-cookie"], url
+            page = fresh.get(response.headers["location"])
+            assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), (url, page.text)
+
+
+def test_a_page_handler_cannot_be_async():
+    """Pages read SQLite synchronously, so they run in FastAPI's thread pool, never on the event loop that the
+    websockets share; an async handler under the synchronous login gate would also return an unawaited redirect."""
+    async def page(request):
+        return None
+
+    with pytest.raises(TypeError, match="plain def"):
+        guarded(page)
 
 
 def test_openapi_documents_an_alert_id_as_an_alert_id(web):
