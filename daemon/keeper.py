@@ -157,7 +157,7 @@ def stop_main(argv=None) -> int:
     """`molt daemon stop`: stop the daemon that owns a data directory, found by its lock."""
     p = argparse.ArgumentParser(prog="molt daemon stop", description="Stop the daemon that owns a data directory: "
                                 "its runs stop first, each worker checkpointing, and the next daemon resumes them.")
-    p.add_argument("--home", help="data directory (default $MOLT_HOME, else ./var)")
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     p.add_argument("--grace", type=float, default=60.0,
                    help="seconds the running workers get to checkpoint and stop (default 60)")
     a = p.parse_args(argv)

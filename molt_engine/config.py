@@ -210,7 +210,11 @@ class RunConfig(_Strict):
             raise ValueError(f"env {self.env!r} speaks chat messages, but the policy's tokenizer has no chat template "
                              f"(use model.preset 'tiny-chat', or a model.path whose tokenizer has one)")
         try:
-            make_env(self.env, self.env_args)
+            if self.env == "dataset":  # its env loads whole files: a submitted config is checked on their first rows
+                from .data import check_args
+                check_args(**self.env_args)
+            else:
+                make_env(self.env, self.env_args)
         except (TypeError, ValueError) as e:
             raise ValueError(f"env_args: {e}") from None
         except Exception as e:  # a user's constructor: say where it failed

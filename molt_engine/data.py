@@ -54,7 +54,7 @@ def math(completion: str, answer: str, **columns) -> float:
 REWARDS = {"exact": exact, "numeric": numeric, "gsm8k": gsm8k, "math": math}
 
 
-@functools.cache
+@functools.lru_cache(maxsize=2)  # a worker's train and eval files: every episode's env reads them
 def _load(path: str, mtime: float) -> tuple[list[dict], int]:
     """(rows with a non-empty prompt, rows skipped for an empty one) of a file or `datasets` directory."""
     file = Path(path)
@@ -88,6 +88,46 @@ def load_rows(path: str) -> tuple[list[dict], int]:
     return _load(str(file.resolve()), file.stat().st_mtime)
 
 
+def first_row(path: str) -> dict:
+    """A dataset's first row, read without loading the rest (a config submitted to the web is checked on it; the
+    worker loads the whole file and names any bad row)."""
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"dataset: {path!r} does not exist (relative paths are from {Path.cwd()})")
+    if file.is_dir():
+        from datasets import load_from_disk
+        rows = load_from_disk(path)  # memory-mapped: only the row asked for is read
+        row = rows[0] if len(rows) else None
+    elif file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        row = next((batch.to_pylist()[0] for batch in pq.ParquetFile(path).iter_batches(batch_size=1)), None)
+    else:
+        with open(file) as f:
+            line = next((line for line in f if line.strip()), None)
+        try:
+            row = json.loads(line) if line else None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dataset: {path}: the first row is not JSON ({e})") from None
+    if row is not None and not isinstance(row, dict):
+        raise ValueError(f"dataset: {path}: every row must be a JSON object")
+    if not row or "prompt" not in row:
+        raise ValueError(f"dataset: {path} has no 'prompt' column (columns: {', '.join(row) if row else 'none'})")
+    return row
+
+
+def check_args(path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256):
+    """The dataset env's arguments checked on each file's first row; its reward function."""
+    row = first_row(path)
+    if eval_path:
+        first_row(eval_path)
+    function = resolve(reward, REWARDS, "reward")
+    if reward in REWARDS and "answer" not in row:
+        raise ValueError(f"dataset: reward {reward!r} needs an 'answer' column; {path} has none")
+    if max_tokens < 1:
+        raise ValueError("dataset: max_tokens must be >= 1")
+    return function
+
+
 @functools.cache
 def _order(rows: int, run: int, epoch: int) -> list[int]:
     order = list(range(rows))
@@ -111,14 +151,9 @@ class Dataset(Env):
     def __init__(self, *, path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256,
                  **unknown):
         super().__init__(**unknown)
+        self.reward, self.max_tokens = check_args(path, eval_path, reward, max_tokens), max_tokens
         self.rows, skipped = load_rows(path)
         self.eval_rows, eval_skipped = load_rows(eval_path) if eval_path else (self.rows, 0)
-        self.reward = resolve(reward, REWARDS, "reward")
-        if reward in REWARDS and "answer" not in self.rows[0]:
-            raise ValueError(f"dataset: reward {reward!r} needs an 'answer' column; {path} has none")
-        if max_tokens < 1:
-            raise ValueError("dataset: max_tokens must be >= 1")
-        self.max_tokens = max_tokens
         self.notes = [f"dataset: {n} rows of {p} skipped (empty prompt)"
                       for n, p in ((skipped, path), (eval_skipped, eval_path)) if n]
 

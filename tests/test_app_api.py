@@ -126,6 +126,28 @@ def test_malformed_json_is_a_400_and_unknown_ids_are_404(web):
     assert web["client"].get("/api/v1/runs/abc").status_code == 422
 
 
+def test_a_dataset_run_is_checked_on_its_first_row_without_loading_the_file_into_the_web(web, tmp_path):
+    from molt_engine.data import Dataset, _load
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n" + "not json\n" * 50_000)
+    config = {"env": "dataset", "model": {"preset": "tiny-chat"}, "env_args": {"path": str(path)}}
+    _load.cache_clear()
+    response = web["client"].post("/api/v1/runs", json={"config": config})
+    assert response.status_code == 201, response.text
+    assert _load.cache_info().currsize == 0, "the web process read the whole file"
+    with pytest.raises(ValueError, match=r"big.jsonl:2: not JSON"):  # the worker's env reads it all
+        Dataset(path=str(path))
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question": "2+2?"}) + "\n")
+    for env_args, error in [({"path": str(tmp_path / "q.jsonl")}, "no 'prompt' column (columns: question)"),
+                            ({"path": str(tmp_path / "none.jsonl")}, "does not exist"),
+                            ({"path": str(path), "eval_path": str(tmp_path / "q.jsonl")}, "no 'prompt' column"),
+                            ({"path": str(path), "reward": "fuzzy"}, "unknown reward 'fuzzy'"),
+                            ({"path": str(path), "max_tokens": 0}, "max_tokens must be >= 1")]:
+        response = web["client"].post("/api/v1/runs", json={"config": {**config, "env_args": env_args}})
+        assert response.status_code == 422 and error in response.text, (env_args, response.text)
+    assert _load.cache_info().currsize == 0
+
+
 def test_stop_and_resume_answer_202_and_409_when_the_status_forbids(web):
     run = new_run(web)
     response = web["client"].post(f"/api/v1/runs/{run['id']}/stop")

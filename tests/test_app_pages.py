@@ -3,6 +3,7 @@ errors, paging, escaping, the thread pool, vendored assets only, a run's GPUs.""
 import re
 from urllib.parse import urlencode
 
+import fastapi.routing
 import httpx
 import pytest
 from fastapi.routing import APIRoute
@@ -88,22 +89,14 @@ def page_routes(web) -> list[tuple[str, str]]:
     run = new_run(web)
     values = {**PATH_PARAMS, "run_id": str(run["id"])}
     found = []
-    for path, route in all_routes(web["app"].routes):
-        if not isinstance(route, APIRoute) or path.startswith(("/api/", "/docs", "/openapi")) \
+    for context in fastapi.routing.iter_route_contexts(web["app"].routes):  # included routers' routes too
+        path = context.path
+        if not isinstance(context.route, APIRoute) or path.startswith(("/api/", "/docs", "/openapi")) \
                 or path in ("/login", "/logout", "/metrics"):
             continue
-        for method in sorted(route.methods):
+        for method in sorted(context.methods):
             found.append((method, re.sub(r"{(\w+)}", lambda m: values[m.group(1)], path)))
     return found
-
-
-def all_routes(routes, prefix: str = ""):
-    """(path, route) of every route, also those of the included routers (FastAPI keeps each as one entry)."""
-    for route in routes:
-        if hasattr(route, "original_router"):
-            yield from all_routes(route.original_router.routes, prefix + route.include_context.prefix)
-        else:
-            yield prefix + getattr(route, "path", ""), route
 
 
 def test_every_page_sends_a_visitor_without_a_session_to_the_login(web):
