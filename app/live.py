@@ -76,13 +76,18 @@ def daemon_message(status: dict) -> dict:
     elif status["running"]:
         message = (f"The daemon (pid {status['pid']}) is not responding: no heartbeat for over "
                    f"{DAEMON_HANG_S:.0f} s. Runs are not supervised until it is restarted.")
+    elif status["stopped"]:
+        message = (f"The daemon is stopped (pid {last['pid']} was asked to stop): queued runs wait until it starts "
+                   f"again (Start, or `molt daemon start --home {status['home']}`).")
+    elif last and last["kind"] == "start_requested":
+        message = "A start of the daemon was requested: queued runs wait until it is up."
     elif last and last["kind"] == "down":
         message = (f"The daemon is down: {last['cause']} (pid {last['pid']}); it is being restarted. Queued runs "
                    f"wait; running workers train on.")
     else:
         message = "No daemon is running: queued runs wait, and nobody restarts a worker that dies."
     return {"type": "daemon", "alive": status["alive"], "pid": status["pid"], "restarts": status["restarts"],
-            "message": message, "last_event": last}
+            "stopped": status["stopped"], "message": message, "last_event": last}
 
 
 class Hub:

@@ -90,7 +90,8 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     @app.websocket("/ws/daemon")
     async def daemon_updates(ws: WebSocket):
         """The daemon's state now, then each time it changes: {"type": "daemon", "alive", "pid", "restarts",
-        "message", "last_event"}; `message` says what is wrong while it is not alive (every page shows it)."""
+        "stopped", "message", "last_event"}; `message` says what is wrong while it is not alive (every page shows it;
+        `stopped`: stopped on request, the page offers to start it)."""
         method = app.state.auth.method(ws)
         if method is None or (method == "cookie" and not same_origin(ws)):
             await ws.close(code=1008)

@@ -69,11 +69,9 @@ def check_csrf(request: Request, form_value: str | None):
 
 def guarded(handler):
     """Page handlers redirect to the login page instead of answering 401. They are plain functions: FastAPI runs
-    them in its thread pool, so their SQLite reads never hold up the event loop that the websockets share. (The
-    wrapper is plain whatever the handler is: an `async def` handler would return an unawaited coroutine.)"""
-    if inspect.iscoroutinefunction(handler):
+    them in its thread pool, so their SQLite reads never hold up the event loop that the websockets share."""
+    if inspect.iscoroutinefunction(handler):  # this plain wrapper would hand FastAPI its coroutine, unawaited
         raise TypeError(f"page handler {handler.__name__} must be a plain def: it runs in the thread pool")
-
     @functools.wraps(handler)
     def wrapper(request: Request, *args, **kwargs):
         try:

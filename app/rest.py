@@ -5,7 +5,7 @@ import inspect
 import io
 import math
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
@@ -75,10 +75,12 @@ def records_of(request: Request):
 
 
 @router.get("/health", response_model=Health, tags=["meta"],
-            responses={503: {"model": Health, "description": "degraded: the daemon is down, restarting or hung"}})
+            responses={503: {"model": Health, "description": "degraded: the daemon is down, restarting or hung; "
+                                                             "stopped: stopped on request"}})
 def health(request: Request, response: Response):
     """Liveness: 200 `ok` when the web server and the daemon that owns the data directory are both alive, else 503
-    `degraded` (so that load balancers and Docker's HEALTHCHECK see it). No token needed."""
+    (so that load balancers and Docker's HEALTHCHECK see it): `stopped` when the daemon was stopped on request
+    (`molt daemon stop`; nobody restarts it until `molt daemon start`), else `degraded`. No token needed."""
     from importlib.metadata import PackageNotFoundError, version
     try:
         v = version("molt-studio")
@@ -87,7 +89,24 @@ def health(request: Request, response: Response):
     daemon = records_of(request).daemon_status()
     if not daemon["alive"]:
         response.status_code = 503
-    return {"status": "ok" if daemon["alive"] else "degraded", "version": v, "daemon": daemon, "time": time.time()}
+    status = "ok" if daemon["alive"] else "stopped" if daemon["stopped"] else "degraded"
+    return {"status": status, "version": v, "daemon": daemon, "time": time.time()}
+
+
+@protected.post("/daemon/start", status_code=202, response_model=dict[str, Any], tags=["meta"],
+                responses={409: _problem("no `molt serve` watches the data directory to start its daemon")})
+def start_daemon(request: Request):
+    """Start the daemon again after `molt daemon stop` (the dashboard's Start button): the `molt serve` that keeps
+    it starts it within a poll. 409 without one (`molt web`): then `molt daemon start` where the daemon runs.
+    Returns the daemon's status (as in /health)."""
+    records = records_of(request)
+    status = records.daemon_status()
+    if not status["running"]:
+        if not status["kept"]:
+            raise HTTPException(409, f"no `molt serve` watches {records.home} to start its daemon: run "
+                                     f"`molt daemon start --home {records.home}` where the daemon runs")
+        records.request_daemon_start("the dashboard")
+    return records.daemon_status()
 
 
 @protected.get("/envs", response_model=list[EnvInfo], tags=["meta"])

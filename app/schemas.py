@@ -16,7 +16,8 @@ class Out(BaseModel):
 
 
 class Health(Out):
-    status: Literal["ok", "degraded"] = Field(description="ok: the web server and the daemon are both alive")
+    status: Literal["ok", "degraded", "stopped"] = Field(
+        description="ok: the web server and the daemon are both alive; stopped: the daemon was stopped on request")
     version: str
     daemon: dict[str, Any]
     time: float

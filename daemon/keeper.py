@@ -1,5 +1,6 @@
-"""Keeping the daemon alive for `molt serve` (restarts with backoff, each recorded with its cause), and stopping a
-daemon gracefully (`molt daemon stop`: its workers checkpoint, the next daemon resumes their runs)."""
+"""Keeping the daemon alive for `molt serve` (restarts with backoff, each recorded with its cause), stopping a
+daemon gracefully (`molt daemon stop`: its workers checkpoint, the next daemon resumes their runs; a stop stays a
+stop), and starting it again (`molt daemon start`)."""
 import argparse
 import json
 import logging
@@ -13,8 +14,8 @@ import time
 from sqlalchemy import select
 from sqlmodel import Session
 
-from .records import Records
-from .db import DAEMON_HANG_S, add_daemon_event, add_event
+from .records import KEEPER_LOCK, Records
+from .db import DAEMON_HANG_S, add_daemon_event, add_event, hold_lock
 from .models import ACTIVE, Run
 from .supervisor import INTERRUPTED
 
@@ -28,7 +29,9 @@ class Keeper:
     its own child, or one it found holding the lock (adopted). Dead (the child exited, or the lock is free) or hung
     (no heartbeat for DAEMON_HANG_S, or never took the lock): a `down` event with the cause, on the daemon's
     timeline and on every active run's, then a new daemon after the backoff: 1 s, doubling while daemons keep dying
-    within HEALTHY_S, at most 30 s. So a killed daemon is replaced within poll + backoff + its start (~2 s)."""
+    within HEALTHY_S, at most 30 s. So a killed daemon is replaced within poll + backoff + its start (~2 s).
+    A daemon stopped on request (`molt daemon stop`, SIGTERM: its last event says `stopped`) is not down: it stays
+    stopped until a start is requested (`molt daemon start`, the dashboard's Start button), which we then serve."""
 
     def __init__(self, records: Records, command: list[str], poll: float = 0.5, hang: float = DAEMON_HANG_S):
         self.records, self.command, self.poll, self.hang = records, command, poll, hang
@@ -38,10 +41,15 @@ class Keeper:
         self.up_since: float | None = None
         self.failures = 0                           # deaths in a row: the backoff's exponent
         self.next_start = 0.0
+        self.checks = 0                             # looks at the daemon so far
+        self.lock = None                            # KEEPER_LOCK: says to `molt daemon start` that we start it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="molt-keeper", daemon=True)
 
     def start(self):
+        self.lock = hold_lock(self.records.home / KEEPER_LOCK, str(os.getpid()))
+        if self.records.daemon_status()["stopped"]:  # a daemon stopped before `molt serve` started: serving asks
+            self.records.request_daemon_start("molt serve")
         self.check()
         self._thread.start()
 
@@ -49,6 +57,8 @@ class Keeper:
         """Stop watching (the daemon itself keeps running)."""
         self._stop.set()
         self._thread.join()
+        if self.lock is not None:
+            self.lock.close()
 
     def _loop(self):
         while not self._stop.wait(self.poll):
@@ -59,9 +69,10 @@ class Keeper:
 
     def check(self):
         t = time.monotonic()
+        self.checks += 1
         if self.proc is not None and (rc := self.proc.poll()) is not None:
             self.proc = None
-            self.down(signal.Signals(-rc).name if rc < 0 else f"exit code {rc}")
+            self.ended(signal.Signals(-rc).name if rc < 0 else f"exit code {rc}")
             return
         status = self.records.daemon_status()
         if status["running"]:
@@ -81,7 +92,9 @@ class Keeper:
                 self.kill()
                 self.down(f"hang: did not start within {self.hang:.0f}s")
         elif self.pid is not None:  # an adopted daemon is gone: not our child, so no exit status
-            self.down("exited (not our child: exit status unknown)")
+            self.ended("exited (not our child: exit status unknown)")
+        elif status["stopped"]:
+            pass  # stopped on request: until a start is requested, the latest daemon event says `stopped`
         elif t >= self.next_start:
             self.proc = subprocess.Popen(self.command, start_new_session=True)  # Ctrl-C in the terminal is ours
             self.pid, self.spawned = self.proc.pid, t
@@ -95,6 +108,15 @@ class Keeper:
         if self.proc is not None:
             self.proc.wait()
             self.proc = None
+
+    def ended(self, cause: str):
+        """The daemon we watched is gone: stopped on request (its last event), or down."""
+        if self.records.daemon_status()["stopped"]:
+            print(f"molt serve: the daemon (pid {self.pid}) was stopped; it stays stopped until `molt daemon start "
+                  f"--home {self.records.home}` or the dashboard's Start button", flush=True)
+            self.pid, self.up_since = None, None
+        else:
+            self.down(cause)
 
     def down(self, cause: str):
         delay = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** self.failures)
@@ -151,6 +173,37 @@ def stop_daemon(records: Records, grace: float, say=print) -> bool:
         except ProcessLookupError:
             pass
     return True
+
+
+def start_main(argv=None) -> int:
+    """`molt daemon start`: start the daemon of a data directory again (e.g. after `molt daemon stop`)."""
+    p = argparse.ArgumentParser(prog="molt daemon start", description="Start the daemon of a data directory: the "
+                                "`molt serve` that watches it starts its own daemon (with its options); without one, "
+                                "a daemon starts in the background with the options given here (those of "
+                                "`molt daemon`), its output in DIR/daemon.log.")
+    p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to come up (default 60)")
+    a, daemon_args = p.parse_known_args(argv)
+    records = Records(a.home)
+    status = records.daemon_status()
+    if status["running"]:
+        print(f"molt daemon start: the daemon (pid {status['pid']}) already owns {records.home}", flush=True)
+        return 0
+    records.request_daemon_start("molt daemon start")
+    proc, log = None, records.home / "daemon.log"
+    if not status["kept"]:  # no `molt serve` watches the directory to serve the request: start one ourselves
+        with open(log, "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(records.home), *daemon_args],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    deadline = time.monotonic() + a.timeout
+    while not (status := records.daemon_status())["alive"]:
+        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+            print(f"molt daemon start: no daemon came up for {records.home}" + (f" (see {log})" if proc else ""),
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    print(f"molt daemon start: the daemon (pid {status['pid']}) owns {records.home}", flush=True)
+    return 0
 
 
 def stop_main(argv=None) -> int:

@@ -11,11 +11,12 @@ from sqlmodel import Session
 
 from molt_engine.config import RunConfig
 
-from .db import DAEMON_HANG_S, add_event, connect, data_home, lock_holder, run_dir, set_run
+from .db import DAEMON_HANG_S, add_daemon_event, add_event, connect, data_home, lock_holder, run_dir, set_run
 from .models import (ACTIVE, OUTCOMES, STATUSES, TERMINAL, Alert, Attempt, Checkpoint, DaemonEvent, Event, Metric,
                      PolicyVersion, Run, Sample, now)
 
 LIVE_METRICS = ("reward_mean", "samples_per_s", "staleness_mean", "staleness_max")
+KEEPER_LOCK = "keeper.lock"   # held by the `molt serve` that keeps the daemon alive (daemon/keeper.py)
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
 
@@ -244,8 +245,10 @@ class Records:
 
     def daemon_status(self) -> dict:
         """Whether a daemon owns this data directory (it holds MOLT_HOME/daemon.lock) and is alive (it touched the
-        lock within DAEMON_HANG_S), its pid, the seconds since that touch, how often it went down, and its latest
-        event (started, stopped, or down with the cause)."""
+        lock within DAEMON_HANG_S), its pid, the seconds since that touch, how often it went down, its latest event
+        (started, stopped, start_requested, or down with the cause), whether it is `stopped` on request (none runs
+        and the last one recorded its stop: nobody restarts it until a start is requested), and whether a
+        `molt serve` keeps it (`kept`: it starts the daemon when asked)."""
         path = self.home / "daemon.lock"
         holder = lock_holder(path)
         age = None
@@ -259,7 +262,13 @@ class Records:
             downs = s.scalar(select(func.count()).where(DaemonEvent.kind == "down"))
         return {"running": holder is not None, "alive": age is not None and age <= DAEMON_HANG_S,
                 "pid": int(holder) if holder and holder.isdigit() else None, "heartbeat_age": age,
-                "restarts": downs, "last_event": _dict(last) if last else None, "home": str(self.home)}
+                "restarts": downs, "last_event": _dict(last) if last else None, "home": str(self.home),
+                "stopped": holder is None and last is not None and last.kind == "stopped",
+                "kept": lock_holder(self.home / KEEPER_LOCK) is not None}
+
+    def request_daemon_start(self, by: str):
+        """Ask for the daemon again after a stop: the `molt serve` that keeps it (see `kept`) starts it."""
+        add_daemon_event(self.engine, "start_requested", f"start requested by {by}")
 
     def daemon_events(self, limit: int = 50) -> list[dict]:
         """The daemon's timeline, newest first."""

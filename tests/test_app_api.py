@@ -302,6 +302,13 @@ def test_health_needs_no_token_and_envs_lists_the_builtins(web):
     assert web["client"].get("/openapi.json").json()["paths"]["/api/v1/runs/{run_id}/metrics"]
 
 
+def test_the_start_button_asks_a_molt_serve_and_without_one_says_what_to_run(web):
+    home = web["records"].home
+    response = web["client"].post("/api/v1/daemon/start")
+    assert response.status_code == 409 and f"molt daemon start --home {home}" in response.json()["detail"]
+    assert [e for e in web["records"].daemon_events() if e["kind"] == "start_requested"] == []
+
+
 def test_a_resumed_run_rewriting_its_steps_pushes_the_new_values(web):
     """After a resume the engine records again the steps after its checkpoint: the rows change in place (same ids),
     which a viewer must still see, and the REST series must show the new values too."""

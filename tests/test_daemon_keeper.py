@@ -187,6 +187,69 @@ def test_daemon_stop_stops_an_orphaned_daemon_its_worker_checkpoints_and_the_nex
         daemon.wait(30)
 
 
+def test_a_stopped_daemon_stays_stopped_under_the_keeper_until_molt_daemon_start(tmp_path):
+    records = Records(tmp_path)
+    keeper = Keeper(records, [sys.executable, "-m", "daemon", "--home", str(tmp_path), "--poll", "0.2"], poll=0.2)
+    keeper.start()
+    try:
+        with web_thread(tmp_path, "secret") as (base, _), httpx.Client(base_url=base, timeout=30) as client:
+            run = records.create_run(config(100000, checkpoint={"every": 0}))["id"]
+            wait_until(lambda: records.get_run(run)["step"] >= 3, START, message="the run's first steps")
+            first = records.daemon_status()["pid"]
+            stop = subprocess.run(molt("daemon", "stop", "--home", str(tmp_path)), capture_output=True, text=True,
+                                  timeout=180, env=child_env(tmp_path), cwd=ROOT)
+            assert stop.returncode == 0 and f"run {run} stopped" in stop.stdout, stop.stdout + stop.stderr
+            response = wait_until(lambda: (r := client.get("/api/v1/health")).json()["status"] == "stopped" and r,
+                                  30, 0.05, message="health to say stopped")
+            assert response.status_code == 503 and not response.json()["daemon"]["running"]
+            # several of the keeper's looks later (its first restart would come 1 s after a death): still stopped
+            checks = keeper.checks
+            wait_until(lambda: keeper.checks >= checks + 10, 30, 0.05, message="10 looks of the keeper")
+            status = records.daemon_status()
+            assert not status["running"] and status["stopped"] and status["restarts"] == 0 and keeper.proc is None
+            assert records.get_run(run)["status"] == "stopped", "no new daemon resumed the run just stopped"
+            assert client.get("/api/v1/health").json()["status"] == "stopped"
+
+            start = subprocess.run(molt("daemon", "start", "--home", str(tmp_path)), capture_output=True,
+                                   text=True, timeout=120, env=child_env(tmp_path), cwd=ROOT)
+            assert start.returncode == 0, start.stdout + start.stderr
+            second = records.daemon_status()["pid"]
+            assert second not in (None, first) and keeper.proc is not None and keeper.proc.pid == second, \
+                "the keeper started its own daemon (with serve's options)"
+            assert f"the daemon (pid {second}) owns" in start.stdout
+            response = client.get("/api/v1/health")
+            assert response.status_code == 200 and response.json()["status"] == "ok"
+            # the next daemon resumes the runs stopped with the last one, as `molt daemon stop` says
+            wait_until(lambda: records.get_run(run)["status"] in ("running", "restarting"), 30,
+                       message="the stopped run resumed")
+            assert records.daemon_status()["restarts"] == 0
+    finally:
+        keeper.close()
+        stop_daemon(records, 60)
+        if keeper.proc is not None:
+            keeper.proc.wait(30)
+
+
+def test_molt_daemon_start_without_a_keeper_starts_a_daemon_itself_and_its_help_names_the_real_default(tmp_path):
+    records = Records(tmp_path)
+    start = subprocess.run(molt("daemon", "start", "--home", str(tmp_path), "--poll", "0.2"), capture_output=True,
+                           text=True, timeout=120, env=child_env(tmp_path), cwd=ROOT)
+    try:
+        assert start.returncode == 0, start.stdout + start.stderr
+        status = records.daemon_status()
+        assert status["alive"] and not status["kept"] and f"(pid {status['pid']}) owns" in start.stdout
+        again = subprocess.run(molt("daemon", "start", "--home", str(tmp_path)), capture_output=True, text=True,
+                               timeout=60, env=child_env(tmp_path), cwd=ROOT)
+        assert again.returncode == 0 and "already owns" in again.stdout
+    finally:
+        stop_daemon(records, 30)
+    assert not records.daemon_status()["running"] and records.daemon_status()["stopped"]
+    for command in ("start", "stop"):
+        usage = subprocess.run(molt("daemon", command, "--help"), capture_output=True, text=True, timeout=60,
+                               env=child_env(tmp_path), cwd=ROOT).stdout
+        assert "else the user data directory" in " ".join(usage.split()) and "./var" not in usage, usage
+
+
 def test_serve_adopts_a_running_daemon_and_stops_it_on_ctrl_c(tmp_path):
     records = Records(tmp_path)
     daemon = start_daemon(tmp_path)

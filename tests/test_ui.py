@@ -4,11 +4,12 @@ within a second, acknowledged, and posted to a webhook. Screenshots go to test-a
 import os
 import re
 import signal
+import subprocess
 
 import pytest
 from playwright.sync_api import expect
 
-from app_support import TRIPS, hook, serve  # noqa: F401 (hook is a fixture)
+from app_support import ROOT, TRIPS, child_env, hook, molt, serve  # noqa: F401 (hook is a fixture)
 from conftest import screenshot, wait_until
 
 
@@ -227,3 +228,17 @@ def test_the_daemon_banner_appears_on_every_page_while_the_daemon_is_down_and_go
             expect(banner).to_be_hidden(timeout=60_000)
             assert daemon()["alive"] and daemon()["pid"] != pid
             expect(page.locator(".toast.info", has_text="The daemon is back").last).to_be_visible()
+
+        # stopped on request, it stays stopped: the banner says so and its Start button brings it back
+        pid = daemon()["pid"]
+        stop = subprocess.run(molt("daemon", "stop", "--home", str(tmp_path)), capture_output=True, text=True,
+                              timeout=120, env=child_env(tmp_path), cwd=ROOT)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        expect(banner).to_contain_text("The daemon is stopped", timeout=10_000)
+        expect(banner.locator("#daemon-start")).to_be_visible()
+        screenshot(page, "daemon-stopped.png")
+        assert served.client.get("/api/v1/health").json()["status"] == "stopped" and not daemon()["running"]
+        page.click("#daemon-start")
+        expect(banner).to_be_hidden(timeout=60_000)
+        assert daemon()["alive"] and daemon()["pid"] != pid and daemon()["restarts"] == 2
+        expect(page.locator(".toast.info", has_text="The daemon is back").last).to_be_visible()

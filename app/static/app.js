@@ -338,6 +338,17 @@ const Molt = (() => {
   }
 
   // ---- every page: the banner while the daemon is down, from /ws/daemon; a toast when it is back ------------------
+  // A daemon stopped on request stays stopped: the banner then offers to start it (through `molt serve`).
+  async function startDaemon(button) {
+    button.disabled = true;
+    const csrf = JSON.parse(document.body.getAttribute("hx-headers"))["X-CSRF-Token"];
+    const r = await fetch("/api/v1/daemon/start", {method: "POST", headers: {"X-CSRF-Token": csrf}});
+    if (!r.ok) {
+      toast((await r.json()).detail);
+      button.disabled = false;
+    }
+  }
+
   function daemonBanner() {
     const banner = document.getElementById("daemon-banner");
     if (!banner) return;  // the login page: no token yet
@@ -349,6 +360,12 @@ const Molt = (() => {
       ws.onmessage = (e) => {
         const msg = JSON.parse(e.data);
         banner.hidden = msg.alive; banner.textContent = msg.message;
+        if (msg.stopped) {
+          const button = document.createElement("button");
+          button.id = "daemon-start"; button.textContent = "Start";
+          button.onclick = () => startDaemon(button);
+          banner.append(" ", button);
+        }
         if (msg.alive && wasDown) toast(`The daemon is back (pid ${msg.pid}).`, "info");
         wasDown = !msg.alive;
       };
