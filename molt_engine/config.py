@@ -211,8 +211,8 @@ class RunConfig(_Strict):
                              f"(use model.preset 'tiny-chat', or a model.path whose tokenizer has one)")
         try:
             if self.env == "dataset":  # its env loads whole files: a submitted config is checked on their first rows
-                from .data import check_args
-                check_args(**self.env_args)
+                from .data import check_submitted
+                check_submitted(**self.env_args)
             else:
                 make_env(self.env, self.env_args)
         except (TypeError, ValueError) as e:

@@ -115,11 +115,15 @@ def first_row(path: str) -> dict:
     return row
 
 
-def check_args(path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256):
-    """The dataset env's arguments checked on each file's first row; its reward function."""
-    row = first_row(path)
+def check_submitted(path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256):
+    """A submitted config's dataset arguments, checked on each file's first row (the web never loads the files)."""
     if eval_path:
         first_row(eval_path)
+    check_args(first_row(path), path, reward, max_tokens)
+
+
+def check_args(row: dict, path: str, reward: str, max_tokens: int):
+    """The dataset env's arguments besides its files, against the first row; its reward function."""
     function = resolve(reward, REWARDS, "reward")
     if reward in REWARDS and "answer" not in row:
         raise ValueError(f"dataset: reward {reward!r} needs an 'answer' column; {path} has none")
@@ -151,9 +155,9 @@ class Dataset(Env):
     def __init__(self, *, path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256,
                  **unknown):
         super().__init__(**unknown)
-        self.reward, self.max_tokens = check_args(path, eval_path, reward, max_tokens), max_tokens
         self.rows, skipped = load_rows(path)
         self.eval_rows, eval_skipped = load_rows(eval_path) if eval_path else (self.rows, 0)
+        self.reward, self.max_tokens = check_args(self.rows[0], path, reward, max_tokens), max_tokens
         self.notes = [f"dataset: {n} rows of {p} skipped (empty prompt)"
                       for n, p in ((skipped, path), (eval_skipped, eval_path)) if n]
 
