@@ -60,7 +60,7 @@ def test_cli_model_flags_pick_the_policy_and_keep_the_configs_other_model_settin
 
     model = molt_train(tmp_path / "preset", "--preset", "tiny-dense")
     assert (model["preset"], model["path"]) == ("tiny-dense", None)
-    assert (model["dtype"], model["device"], model["tool_parser"], model["dropout"]) == ("bfloat16", "cpu", "hermes", True)
+    assert (model["dtype"], model["device"], model["dropout"]) == ("bfloat16", "cpu", True)
     model = molt_train(tmp_path / "path", "--model-path", str(tmp_path / "preset" / "final"))
     assert (model["preset"], model["path"]) == (None, str(tmp_path / "preset" / "final"))
     assert (model["dtype"], model["device"], model["dropout"]) == ("bfloat16", "cpu", True)
