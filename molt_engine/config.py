@@ -70,15 +70,15 @@ class LoopConfig(_Strict):
 class AlgoConfig(_Strict):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = "grpo"
     loss: Literal["ppo", "gspo"] = "ppo"
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="gspo: 3e-4")
+    clip_high: float = Field(0.28, ge=0, description="gspo: 4e-4")
     is_level: Literal["off", "token", "seq", "geo"] = "token"
     is_mode: Literal["mask", "clip", "trunc"] = "trunc"
     is_low: float = Field(0.0, ge=0)
     is_high: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy; 0 = no reference")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates")  # 5e-4: max_digit seed 1 stuck near 0.8
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates; model.path: 1e-6")  # 5e-4: max_digit seed 1 stuck near 0.8
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     minibatches: int = Field(1, gt=0, description="optimizer steps per trainer step, each on a slice of the batch's "
@@ -101,9 +101,10 @@ class AlgoConfig(_Strict):
 
 
 class WarmStartConfig(_Strict):
-    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none")
+    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none; "
+                       "model.path: 0")
     batch_size: int = Field(32, gt=0)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, description="model.path: 1e-5")
 
 
 class CheckpointConfig(_Strict):
@@ -202,7 +203,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _run_defaults(self):
-        """Defaults that depend on the run (README, "Defaults"), set only where the config leaves the field unset."""
+        """Defaults that depend on the run (README, "Two sets of defaults"), set only where the config leaves the field unset."""
         defaults = []
         if self.model.path:  # a trained checkpoint: the presets' rates (a 1M-parameter policy from scratch) wreck it
             defaults += [(self.algo, "lr", 1e-6), (self.warm_start, "steps", 0), (self.warm_start, "lr", 1e-5)]
