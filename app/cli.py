@@ -367,8 +367,8 @@ def cmd_train(args) -> int:
     for key, value in [("env", args.env), ("seed", args.seed)]:
         if value is not None:
             config[key] = value
-    if args.preset or args.model_path:
-        config["model"] = {"preset": args.preset, "path": args.model_path}
+    if args.preset or args.model_path:  # the flags pick the policy; the config's dtype, device and the rest stay
+        config["model"] = {**(config.get("model") or {}), "preset": args.preset, "path": args.model_path}
     for key, value in [("steps", args.steps), ("max_staleness", args.max_staleness)]:
         if value is not None:
             config.setdefault("loop", {})[key] = value

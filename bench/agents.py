@@ -28,6 +28,7 @@ from chat_learning import warm_started
 from chat_overhead import Rates
 
 from molt_engine import register, train
+from molt_engine.config import AlgoConfig
 from molt_engine.serving.agents import CalculatorAgent
 
 IN_FLIGHT = 64
@@ -47,6 +48,7 @@ class SocketCalculatorAgent(CalculatorAgent):
 def run(env: str, directory: str, steps: int) -> dict:
     sink = Rates()
     summary = train({"env": env, "model": {"preset": None, "path": directory}, "seed": 0, "warm_start": {"steps": 0},
+                     "algo": {"lr": AlgoConfig().lr},  # the presets' lr, not model.path's (1e-6): a tiny warm-started policy
                      "loop": {"steps": steps, "groups_per_step": 8, "group_size": 8, "eval_every": 0},
                      "checkpoint": {"every": 0}}, sink)
     rows = sink.rows[1:]

@@ -24,6 +24,7 @@ import torch
 
 from molt_engine import NullSink, RunConfig, train
 from molt_engine.chat import stop_ids
+from molt_engine.config import AlgoConfig
 from molt_engine.data import word_problems
 from molt_engine.envs import DEMO_SEEDS
 from molt_engine.models import load_policy
@@ -99,7 +100,9 @@ def main():
                    "warm_start": {**config["warm_start"], **args.warm_start}, "loop": {**config["loop"], "steps": args.steps, "eval_every": 20},
                    "checkpoint": {"every": 0}}
             policy = warm_started(run, warm_dir)
-            run.update(model={"preset": None, "path": str(policy)}, warm_start={"steps": 0})
+            # RL at the presets' lr, not model.path's default (1e-6, for real checkpoints): this is a tiny policy
+            run.update(model={"preset": None, "path": str(policy)}, warm_start={"steps": 0},
+                       algo={"lr": AlgoConfig().lr, **run["algo"]})
             summary = train_for(run, sink, args.minutes * 60)
             first = sink.rows[0]
             report = {"first_step": {k: round(first[k], 3) for k in WATCH if k in first},

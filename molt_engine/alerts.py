@@ -21,7 +21,7 @@ class Alerts:
         checks = [
             ("stale_share", "staleness", share, cfg.stale_share,
              f"{share:.0%} of samples in the last {len(self.recent_stale)} steps were dropped as too stale"),
-            ("staleness_max", "staleness", metrics["staleness_max"], cfg.staleness_max,
+            ("staleness_max", "staleness", metrics["staleness_max"], cfg.staleness_reaches,
              f"a trained token was {metrics['staleness_max']:.0f} versions old"),
             ("mismatch_kl", "mismatch", metrics["mismatch_kl"], cfg.mismatch_kl,
              f"KL between behaviour and recomputed log-probs is {metrics['mismatch_kl']:.3g}"),

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = ["RunConfig", "ValidationError", "config_errors"]
 
@@ -27,6 +27,8 @@ class ModelConfig(_Strict):
         "float32", description="sampler weights and trainer autocast; the trainer's weights and optimizer stay fp32")
     tool_parser: str = Field("hermes", description="how chat envs' tool calls are read from the policy's output: "
                              "hermes (Qwen, Hermes: <tool_call>{json}</tool_call>) or module:function of an env directory")
+    dropout: bool = Field(False, description="keep the model's dropout (train mode) in the trainer's forward; off by "
+                          "default, as in TRL: the sampler never has it, so with it the log-prob mismatch is noise")
 
     @field_validator("preset")
     @classmethod
@@ -68,15 +70,15 @@ class LoopConfig(_Strict):
 class AlgoConfig(_Strict):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = "grpo"
     loss: Literal["ppo", "gspo"] = "ppo"
-    clip_low: float = Field(0.2, ge=0)
-    clip_high: float = Field(0.28, ge=0)
+    clip_low: float = Field(0.2, ge=0, description="gspo: 3e-4")
+    clip_high: float = Field(0.28, ge=0, description="gspo: 4e-4")
     is_level: Literal["off", "token", "seq", "geo"] = "token"
     is_mode: Literal["mask", "clip", "trunc"] = "trunc"
     is_low: float = Field(0.0, ge=0)
     is_high: float = Field(2.0, gt=0)
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy; 0 = no reference")
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates")  # 5e-4: max_digit seed 1 stuck near 0.8
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates; model.path: 1e-6")  # 5e-4: max_digit seed 1 stuck near 0.8
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     minibatches: int = Field(1, gt=0, description="optimizer steps per trainer step, each on a slice of the batch's "
@@ -99,9 +101,10 @@ class AlgoConfig(_Strict):
 
 
 class WarmStartConfig(_Strict):
-    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none")
+    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none; "
+                       "model.path: 0")
     batch_size: int = Field(32, gt=0)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, description="model.path: 1e-5")
 
 
 class CheckpointConfig(_Strict):
@@ -125,7 +128,12 @@ class BreakerConfig(_Strict):
 class AlertsConfig(_Strict):
     window: int = Field(10, gt=0, description="steps over which the stale-dropped share is measured")
     stale_share: float = Field(0.2, gt=0, le=1, description="alert when this share of samples is dropped as stale")
-    staleness_max: int | None = Field(None, ge=0, description="alert when a trained token is this many versions old")
+    # Not named after its metric, as the other thresholds are: staleness_max is the metric and loop.max_staleness the
+    # admission bound. The old key is still read.
+    staleness_reaches: int | None = Field(
+        None, ge=0, validation_alias=AliasChoices("staleness_reaches", "staleness_max"),
+        description="alert when a trained token is this many versions old (the metric staleness_max reaches it); "
+                    "None = never. Formerly alerts.staleness_max")
     mismatch_kl: float = Field(0.05, gt=0, description="alert when the behaviour-vs-recomputed KL exceeds this")
 
 
@@ -192,6 +200,19 @@ class RunConfig(_Strict):
             failed = f"; env files that failed to load: {'; '.join(LOAD_ERRORS.values())}" if LOAD_ERRORS else ""
             raise ValueError(f"unknown env {v!r}; known: {', '.join(sorted(ENVS))}{failed}")
         return v
+
+    @model_validator(mode="after")
+    def _run_defaults(self):
+        """Defaults that depend on the run (README, "Two sets of defaults"), set only where the config leaves the field unset."""
+        defaults = []
+        if self.model.path:  # a trained checkpoint: the presets' rates (a 1M-parameter policy from scratch) wreck it
+            defaults += [(self.algo, "lr", 1e-6), (self.warm_start, "steps", 0), (self.warm_start, "lr", 1e-5)]
+        if self.algo.loss == "gspo":  # a sequence's ratio (its tokens' geometric mean) moves far less than a token's
+            defaults += [(self.algo, "clip_low", 3e-4), (self.algo, "clip_high", 4e-4)]  # the GSPO paper's band
+        for part, name, value in defaults:
+            if name not in part.model_fields_set:
+                setattr(part, name, value)
+        return self
 
     @model_validator(mode="after")
     def _consistent(self):

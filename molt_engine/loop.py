@@ -128,12 +128,16 @@ class Training:
         return self.summary
 
     async def prepare(self, resume: bool):
-        """Restore the latest checkpoint, or start fresh (warm start, reference policy); then make the sampler."""
+        """Restore the latest checkpoint, or start fresh (warm start, reference policy); then make the samplers."""
+        found = checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None
+        if not found:  # a fresh run's first event: which defaults it got (config.py, _run_defaults)
+            profile, a, w = "checkpoint" if self.cfg.model.path else "preset", self.cfg.algo, self.cfg.warm_start
+            self.sink.event("defaults", f"{profile} defaults where the config sets none: algo.lr {a.lr:g}, clip "
+                            f"{a.clip_low:g}/{a.clip_high:g}, warm start {w.steps} at lr {w.lr:g}", profile=profile)
         for note in self.rollout.notes:
             self.sink.event("env", note)
         if self.cfg.algo.kl_coef > 0:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        found = checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None
         if found:
             self.restore(found)
         elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
@@ -150,6 +154,11 @@ class Training:
         self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.stops,
                                self.pad_id, self.cfg.loop.temperature, version=self.version,
                                kv_budget_gb=self.cfg.loop.kv_budget_gb)
+        # Evals decode on their own copy (one policy per eval while training publishes): more memory, in model.dtype
+        evals = self.cfg.loop.eval_every and dist.rank() == 0  # more than one process: rank 0 evaluates
+        self.eval_sampler = None if not evals else Sampler(
+            copy.deepcopy(self.sampler.model), self.stops, self.pad_id, self.cfg.loop.temperature, version=self.version,
+            kv_budget_gb=self.cfg.loop.kv_budget_gb)
         # More than one process: the sampler and the reference stay plain copies; only the trained model is wrapped
         self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)
 
@@ -371,17 +380,21 @@ class Training:
         }
 
     async def evaluate(self, step: int):
-        """Greedy episodes on held-out seeds; they share the sampler but never the buffer or admission. When the
-        reward is the best so far, the evaluated weights are written to OUT/best."""
-        n, weights = self.cfg.loop.eval_episodes, self.published
-        results = await asyncio.gather(*(self.rollout.episode(self.sampler, EVAL_SEEDS + i, -1, 0, greedy=True)
-                                         for i in range(n)), return_exceptions=True)
+        """Greedy episodes on held-out seeds, all of one version (on the eval sampler), never in the buffer or
+        admission. When the reward is the best so far, the evaluated weights are written to OUT/best."""
+        n, weights, version = self.cfg.loop.eval_episodes, self.published, self.version
+        self.eval_sampler.publish(weights, version)  # swapped in before its first decode step
+        async with asyncio.TaskGroup() as tg:  # its decoding fails the eval; it ends with the eval's episodes
+            decoding = tg.create_task(self.eval_sampler.run())
+            runs = (self.rollout.episode(self.eval_sampler, EVAL_SEEDS + i, -1, 0, greedy=True) for i in range(n))
+            results = await asyncio.gather(*runs, return_exceptions=True)
+            decoding.cancel()
         episodes = [e for r in results if isinstance(r, list) for e in r]
         if episodes:
             values = eval_metrics(episodes)
             self.sink.metrics(step, values)
             if hasattr(self.sink, "samples"):
-                self.sink.samples(step, "eval", [record(e, self.processor, self.version)
+                self.sink.samples(step, "eval", [record(e, self.processor, version)
                                                  for e in episodes[:self.cfg.record.eval_samples]])
             self.summary.update(values)
             if self.best is None or values["eval_reward"] > self.best[0]:

@@ -117,8 +117,10 @@ def _chat_bpe() -> str:
 
 
 def load_policy(model_cfg, seed: int):
-    """(model, processor) in fp32 train mode on `model.device`: a preset built from seed (on the CPU, so the same
-    seed gives the same weights on every device), or `model_cfg.path` loaded offline. The
+    """(model, processor) in fp32 on `model.device`: a preset built from seed (on the CPU, so the same
+    seed gives the same weights on every device), or `model_cfg.path` loaded offline. In eval mode unless
+    `model.dropout`: the trainer's forward is then the sampler's (no dropout, no router jitter; gradients flow the
+    same), so a checkpoint that ships dropout shows no false log-prob mismatch. The
     processor is the tokenizer itself for a text policy; a vision-language policy's processor wraps its tokenizer
     (`.tokenizer`) and also turns images into pixel values and image placeholder tokens."""
     device = device_of(model_cfg)  # before the weights: a wrong device fails fast
@@ -147,7 +149,7 @@ def load_policy(model_cfg, seed: int):
     for router in routers(model):
         router.replay = None
         router.register_forward_hook(_route)
-    return model.to(device).train(), processor
+    return model.to(device).train(model_cfg.dropout), processor
 
 
 # ---- MoE routing: what each router chose, and replaying a recorded choice ---------------------------------------------

@@ -1,4 +1,5 @@
 """Engine robustness: exact resume, kill -9 safety, SIGTERM, the gradient-norm breaker, alerts, drills."""
+import asyncio
 import json
 import math
 import random
@@ -100,6 +101,46 @@ def test_best_policy_is_kept_whenever_eval_improves_and_final_eval_is_at_its_ste
     expected = published[sink.steps[best_step - 1]["version"] if best_step else 0]
     best = AutoModelForCausalLM.from_pretrained(tmp_path / "best").state_dict()
     assert best.keys() == expected.keys() and all(torch.equal(best[k], expected[k]) for k in best)
+
+
+def test_an_eval_is_one_version_while_training_publishes_newer_ones(monkeypatch):
+    """The eval of step 0 holds its requests until training has published version 1: every token it decodes is
+    still of version 0, the version it evaluates, and so are those of every later eval."""
+    published = {}  # version 1 is out: set by the trainer's publish, awaited by eval (greedy) requests
+    real_publish, real_generate = Sampler.publish, Sampler.generate
+
+    def publish(self, weights, version):
+        if version == 1:
+            published.setdefault(1, asyncio.Event()).set()
+        real_publish(self, weights, version)
+
+    async def generate(self, context, max_tokens, **kw):
+        if kw.get("greedy"):
+            await published.setdefault(1, asyncio.Event()).wait()
+        return await real_generate(self, context, max_tokens, **kw)
+    monkeypatch.setattr(Sampler, "publish", publish)
+    monkeypatch.setattr(Sampler, "generate", generate)
+
+    class Sent(Recorder):
+        def __init__(self):
+            super().__init__()
+            self.sent = []  # (kind, step, records) in the order the engine sent them
+
+        def metrics(self, step, values):
+            self.sent.append(("eval_metrics" if "eval_reward" in values else "metrics", step, None))
+
+        def samples(self, step, kind, records):
+            self.sent.append((kind, step, records))
+    sink = Sent()
+    train(config(loop={"steps": 3, "eval_every": 2, "eval_episodes": 8}), sink)
+    evals = [(step, records) for kind, step, records in sink.sent if kind == "eval"]
+    assert evals[0][0] == 0 and evals[-1][0] == 3 and all(records for _, records in evals)
+    for step, records in evals:
+        for r in records:
+            assert r["version"] == step  # no breaker trip: the version of step s is s
+            assert {v for v, a in zip(r["tokens"]["version"], r["tokens"]["action"]) if a} == {step}
+    order = [(kind, step) for kind, step, _ in sink.sent]
+    assert order.index(("metrics", 0)) < order.index(("eval", 0))  # step 0 trained (and published) during its eval
 
 
 def test_checkpoint_loads_with_plain_transformers_and_generates(tmp_path):
