@@ -1,10 +1,12 @@
 """Datasets as an env: prompts from JSONL, parquet or `datasets` directories, rewards by name; a generator of small
 GSM8K-format word problems (`python -m molt_engine.data OUT.jsonl --rows 2000`)."""
 import argparse
+import asyncio
 import functools
 import json
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, Observation, Result, calculator_question, register, resolve
@@ -46,12 +48,15 @@ def gsm8k(completion: str, answer: str, **columns) -> dict:
 def math(completion: str, answer: str, **columns) -> float:
     """math-verify: the completion's final expression (LaTeX or plain) is equivalent to the answer's."""
     from math_verify import parse, verify
-    # No timeouts: they use SIGALRM, which only works on the main thread.
+    # Its own timeouts use SIGALRM, which only works on the main thread: the env's `reward_timeout` bounds it.
     gold = parse(str(answer), parsing_timeout=None)
     return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
 
 
 REWARDS = {"exact": exact, "numeric": numeric, "gsm8k": gsm8k, "math": math}
+# Rewards run here, off the event loop: a slow one stalls neither the sampler nor other episodes. A thread past its
+# timeout cannot be stopped; it holds its worker until it returns.
+_SCORING = ThreadPoolExecutor(thread_name_prefix="molt-reward")
 
 
 @functools.cache
@@ -109,7 +114,7 @@ class Dataset(Env):
     chat = True
 
     def __init__(self, *, path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256,
-                 **unknown):
+                 reward_timeout: float = 10.0, **unknown):
         super().__init__(**unknown)
         self.rows, skipped = load_rows(path)
         self.eval_rows, eval_skipped = load_rows(eval_path) if eval_path else (self.rows, 0)
@@ -118,7 +123,9 @@ class Dataset(Env):
             raise ValueError(f"dataset: reward {reward!r} needs an 'answer' column; {path} has none")
         if max_tokens < 1:
             raise ValueError("dataset: max_tokens must be >= 1")
-        self.max_tokens = max_tokens
+        if not reward_timeout > 0:
+            raise ValueError("dataset: reward_timeout must be > 0 (seconds)")
+        self.max_tokens, self.reward_timeout = max_tokens, reward_timeout
         self.notes = [f"dataset: {n} rows of {p} skipped (empty prompt)"
                       for n, p in ((skipped, path), (eval_skipped, eval_path)) if n]
 
@@ -141,11 +148,14 @@ class Dataset(Env):
     async def step(self, action: str) -> Result:
         row = self._current
         columns = {**row, "answer": reference(row["answer"])} if "answer" in row else row
-        scored = self.reward(action, **columns)
-        if isinstance(scored, dict):
-            scored = dict(scored)
-            return Result(reward=float(scored.pop("reward")), terminated=True, info={"metrics": scored})
-        return Result(reward=float(scored), terminated=True)
+        scoring = asyncio.get_running_loop().run_in_executor(_SCORING, functools.partial(self.reward, action, **columns))
+        try:
+            scored = await asyncio.wait_for(scoring, self.reward_timeout)
+        except TimeoutError:  # scored 0; the metric's mean is the share of episodes whose reward timed out
+            return Result(reward=0.0, terminated=True, info={"metrics": {"reward_timeout_rate": 1.0}})
+        scored = dict(scored) if isinstance(scored, dict) else {"reward": scored}
+        return Result(reward=float(scored.pop("reward")), terminated=True,
+                      info={"metrics": {**scored, "reward_timeout_rate": 0.0}})
 
     def demonstration(self, seed: int) -> list[dict]:
         row = self._row(seed)

@@ -9,14 +9,14 @@ import httpx
 import openai
 import pytest
 import torch
-from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
+from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
 
 from molt_engine import EnvFailure, NullSink, RunConfig, train
 from molt_engine.serving.agents import CALCULATOR, Agent, AgentContext
 from molt_engine.algo import advantages
 from molt_engine.chat import hermes, stop_ids
 from molt_engine.config import ModelConfig
-from molt_engine.envs import DEMO_SEEDS, ENVS
+from molt_engine.envs import DEMO_SEEDS
 from molt_engine.models import chat_tokenizer, load_policy
 from molt_engine.rollout import Rollout
 from molt_engine.sampler import Sampler
@@ -93,8 +93,8 @@ class RewritingAgent(Agent):
 
 
 @pytest.mark.parametrize("agent", [ThreeCallsAgent, StreamingThreeCallsAgent])
-def test_agent_turns_train_exactly_the_sampled_tokens(capture, agent):
-    ENVS.setdefault(agent.name, agent)
+def test_agent_turns_train_exactly_the_sampled_tokens(capture, registered, agent):
+    registered(agent)
     # A warm start that makes whole calls likely when sampled at temperature 0.5: the agent gets three in a row.
     summary = train({"env": agent.name, "model": {"preset": "tiny-chat"},
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0, "temperature": 0.5},
@@ -111,8 +111,8 @@ def test_agent_turns_train_exactly_the_sampled_tokens(capture, agent):
     assert summary["segments_per_episode"] == 1.0 and summary["agent_requests_per_episode"] >= 1.0
 
 
-def test_an_agent_that_rewrites_its_history_trains_two_segments(capture):
-    ENVS.setdefault(RewritingAgent.name, RewritingAgent)
+def test_an_agent_that_rewrites_its_history_trains_two_segments(capture, registered):
+    registered(RewritingAgent)
     summary = train({"env": RewritingAgent.name, "model": {"preset": "tiny-chat"},
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0}, "warm_start": {"steps": 0}})
     assert summary["segments_per_episode"] == 2.0 and summary["agent_requests_per_episode"] == 2.0
@@ -371,8 +371,9 @@ class Steps(NullSink):
         self.rows.append(values)
 
 
-def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stops_the_run():
-    ENVS.setdefault(FlakyAgent.name, FlakyAgent)
+def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stops_the_run(registered, monkeypatch):
+    registered(FlakyAgent)
+    monkeypatch.setattr(FlakyAgent, "failed", {"raised": 0, "hung": 0})  # this test's counts only
     sink = Steps()
     summary = train({"env": FlakyAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
                      "loop": {**SMALL, "steps": 4}}, sink)
@@ -380,7 +381,7 @@ def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stop
     assert FlakyAgent.failed["raised"] > 0 and FlakyAgent.failed["hung"] > 0
     assert sum(r["agent_errors"] for r in sink.rows) == FlakyAgent.failed["raised"] + FlakyAgent.failed["hung"]
 
-    ENVS.setdefault(BrokenAgent.name, BrokenAgent)
+    registered(BrokenAgent)
     with pytest.raises(EnvFailure, match="the agent's own bug"):
         train({"env": BrokenAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
                "loop": {**SMALL, "steps": 4}})
