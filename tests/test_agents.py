@@ -453,3 +453,57 @@ def test_the_calculator_agent_and_the_chat_calculator_warm_start_on_the_same_tok
     pairs = list(zip(rows["chat_calculator"], rows["calculator_agent"]))
     assert all(a.token_ids == b.token_ids and a.is_action == b.is_action for a, b in pairs)
     assert {sum(a.is_action) > 10 for a, _ in pairs} == {True, False}  # both kinds: a tool call, a head-answer
+
+
+def test_training_samples_at_the_runs_temperature_whatever_a_request_asks_and_counts_it():
+    """A training episode's `temperature: 0` or `top_p` would make the trained log-probs not the behaviour
+    policy's: the server samples as the run does and counts the request; eval episodes decode greedily."""
+    class Greedy(Agent):
+        name = "greedy"
+        max_tokens = 8
+
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+            question = [{"role": "user", "content": "Hi"}]
+            replies[ctx.seed] = []
+            for asked in ({"temperature": 0}, {"top_p": 0.5}, {"temperature": 1.0}, {}):  # the last two: as the run
+                reply = await client.chat.completions.create(model=ctx.model, messages=question, **asked)
+                replies[ctx.seed].append(reply.choices[0].message.content)
+            return 1.0
+
+    replies = {}
+
+    async def episodes(greedy):
+        async with serving() as (server, sampler):
+            return await asyncio.gather(*(server.episode(Greedy(), sampler, seed, 0, 0, greedy) for seed in range(4)))
+    training = asyncio.run(episodes(False))
+    sampled = [replies[seed][0] for seed in range(4)]
+    assert len(set(sampled)) > 1  # temperature 0 asked, yet each seed drew its own sample
+    assert all(rows[0].info["metrics"]["sampling_overrides"] == 2 for rows in training)
+    evals = asyncio.run(episodes(True))
+    assert len({tuple(replies[seed]) for seed in range(4)}) == 1  # greedy: the same replies whatever the seed
+    assert all(rows[0].info["metrics"]["sampling_overrides"] == 0 for rows in evals)
+
+
+def test_a_stop_string_ends_the_text_and_the_record_alike_so_a_react_loop_sees_it_once():
+    """/v1/completions in a ReAct loop: the text ends before the stop (as OpenAI's does), the agent appends the stop
+    and an observation, and the next prompt goes on from there. The record then reads as the agent's transcript:
+    every request's kept tokens continue its prompt, and the stop is never there twice."""
+    stop = "a"
+
+    async def agent(ctx, server):
+        prompt, finishes = "Thought: 12+3=", []
+        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client) as client:
+            for _ in range(4):
+                choice = (await client.completions.create(model=ctx.model, prompt=prompt, max_tokens=16,
+                                                          stop=stop)).choices[0]
+                assert stop not in choice.text
+                finishes.append(choice.finish_reason)
+                asked, prompt = prompt, prompt + choice.text
+                prompt += (stop if choice.finish_reason == "stop" else "") + " Observation: 15\nThought:"
+        return asked, choice.text, finishes
+    (asked, text, finishes), (segment,), _ = asyncio.run(_served(agent))  # one segment: each request continued it
+    assert finishes.count("stop") >= 2  # the stop string really cut replies
+    # The record is the last request's prompt, then as much of its reply's text as whole tokens hold.
+    record = chat_tokenizer().decode(segment.token_ids)
+    assert record.startswith(asked) and (asked + text).startswith(record)
