@@ -493,14 +493,14 @@ def test_a_stop_string_ends_the_text_and_the_record_alike_so_a_react_loop_sees_i
 
     async def agent(ctx, server):
         prompt, finishes = "Thought: 12+3=", []
-        async with openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client) as client:
-            for _ in range(4):
-                choice = (await client.completions.create(model=ctx.model, prompt=prompt, max_tokens=16,
-                                                          stop=stop)).choices[0]
-                assert stop not in choice.text
-                finishes.append(choice.finish_reason)
-                asked, prompt = prompt, prompt + choice.text
-                prompt += (stop if choice.finish_reason == "stop" else "") + " Observation: 15\nThought:"
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+        for _ in range(4):
+            choice = (await client.completions.create(model=ctx.model, prompt=prompt, max_tokens=16,
+                                                      stop=stop)).choices[0]
+            assert stop not in choice.text
+            finishes.append(choice.finish_reason)
+            asked, prompt = prompt, prompt + choice.text
+            prompt += (stop if choice.finish_reason == "stop" else "") + " Observation: 15\nThought:"
         return asked, choice.text, finishes
     (asked, text, finishes), (segment,), _ = asyncio.run(_served(agent))  # one segment: each request continued it
     assert finishes.count("stop") >= 2  # the stop string really cut replies

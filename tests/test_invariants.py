@@ -384,7 +384,7 @@ def test_sampling_noise_comes_from_a_generator_on_the_models_device_and_follows_
         assert all(r.generator.device == sampler.device == next(model.parameters()).device for r in reqs)
         return [r.ids for r in reqs]
     first, second = asyncio.run(sample([5, 6])), asyncio.run(sample([6, 5]))
-    assert first == second[::-1] and first[0] != first[1]  # a request's tokens follow its seed, whoever shares the batch
+    assert first == second[::-1] and first[0] != first[1]  # a request's tokens follow its seed, not its batch
 
 
 class Verbose(Env):
