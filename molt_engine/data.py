@@ -148,9 +148,10 @@ class Dataset(Env):
     async def step(self, action: str) -> Result:
         row = self._current
         columns = {**row, "answer": reference(row["answer"])} if "answer" in row else row
-        scoring = asyncio.get_running_loop().run_in_executor(_SCORING, functools.partial(self.reward, action, **columns))
+        scoring = functools.partial(self.reward, action, **columns)
         try:
-            scored = await asyncio.wait_for(scoring, self.reward_timeout)
+            scored = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_SCORING, scoring),
+                                            self.reward_timeout)
         except TimeoutError:  # scored 0; the metric's mean is the share of episodes whose reward timed out
             return Result(reward=0.0, terminated=True, info={"metrics": {"reward_timeout_rate": 1.0}})
         scored = dict(scored) if isinstance(scored, dict) else {"reward": scored}
