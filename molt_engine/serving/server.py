@@ -281,9 +281,10 @@ class AgentServer:
         ep.requests += 1
         ep.overrides += not ep.greedy and (body.temperature not in (None, ep.sampler.temperature)
                                            or body.top_p not in (None, 1))
+        asked = -1 if body.seed is None else body.seed  # hash(None) differs from one process to the next
         req = await ep.sampler.generate(
             segment.token_ids, budget, greedy=ep.greedy, top=top or 0,
-            seed=hash((self.run_seed, ep.seed, ep.index, ep.requests, body.seed)) & (2**62 - 1))
+            seed=hash((self.run_seed, ep.seed, ep.index, ep.requests, asked)) & (2**62 - 1))
         ids, ended = req.ids, req.ids[-1] in self.stops
         text = kept = self.tokenizer.decode(ids[:-1] if ended else ids)
         finish = "stop" if ended else "length"
