@@ -1,10 +1,12 @@
 """Datasets as an env: prompts from JSONL, parquet or `datasets` directories, rewards by name; a generator of small
 GSM8K-format word problems (`python -m molt_engine.data OUT.jsonl --rows 2000`)."""
 import argparse
+import asyncio
 import functools
 import json
 import random
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, Observation, Result, calculator_question, register, resolve
@@ -46,12 +48,15 @@ def gsm8k(completion: str, answer: str, **columns) -> dict:
 def math(completion: str, answer: str, **columns) -> float:
     """math-verify: the completion's final expression (LaTeX or plain) is equivalent to the answer's."""
     from math_verify import parse, verify
-    # No timeouts: they use SIGALRM, which only works on the main thread.
+    # Its own timeouts use SIGALRM, which only works on the main thread: the env's `reward_timeout` bounds it.
     gold = parse(str(answer), parsing_timeout=None)
     return float(verify(gold, parse(completion, parsing_timeout=None), timeout_seconds=None))
 
 
 REWARDS = {"exact": exact, "numeric": numeric, "gsm8k": gsm8k, "math": math}
+# Rewards run here, off the event loop: a slow one stalls neither the sampler nor other episodes. A thread past its
+# timeout cannot be stopped; it holds its worker until it returns.
+_SCORING = ThreadPoolExecutor(thread_name_prefix="molt-reward")
 
 
 @functools.lru_cache(maxsize=2)  # a worker's train and eval files: every episode's env reads them
@@ -115,20 +120,23 @@ def first_row(path: str) -> dict:
     return row
 
 
-def check_submitted(path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256):
+def check_submitted(path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256,
+                    reward_timeout: float = 10.0):
     """A submitted config's dataset arguments, checked on each file's first row (the web never loads the files)."""
     if eval_path:
         first_row(eval_path)
-    check_args(first_row(path), path, reward, max_tokens)
+    check_args(first_row(path), path, reward, max_tokens, reward_timeout)
 
 
-def check_args(row: dict, path: str, reward: str, max_tokens: int):
+def check_args(row: dict, path: str, reward: str, max_tokens: int, reward_timeout: float):
     """The dataset env's arguments besides its files, against the first row; its reward function."""
     function = resolve(reward, REWARDS, "reward")
     if reward in REWARDS and "answer" not in row:
         raise ValueError(f"dataset: reward {reward!r} needs an 'answer' column; {path} has none")
     if max_tokens < 1:
         raise ValueError("dataset: max_tokens must be >= 1")
+    if not reward_timeout > 0:
+        raise ValueError("dataset: reward_timeout must be > 0 (seconds)")
     return function
 
 
@@ -153,11 +161,12 @@ class Dataset(Env):
     chat = True
 
     def __init__(self, *, path: str, eval_path: str | None = None, reward: str = "exact", max_tokens: int = 256,
-                 **unknown):
+                 reward_timeout: float = 10.0, **unknown):
         super().__init__(**unknown)
         self.rows, skipped = load_rows(path)
         self.eval_rows, eval_skipped = load_rows(eval_path) if eval_path else (self.rows, 0)
-        self.reward, self.max_tokens = check_args(self.rows[0], path, reward, max_tokens), max_tokens
+        self.reward = check_args(self.rows[0], path, reward, max_tokens, reward_timeout)
+        self.max_tokens, self.reward_timeout = max_tokens, reward_timeout
         self.notes = [f"dataset: {n} rows of {p} skipped (empty prompt)"
                       for n, p in ((skipped, path), (eval_skipped, eval_path)) if n]
 
@@ -180,11 +189,15 @@ class Dataset(Env):
     async def step(self, action: str) -> Result:
         row = self._current
         columns = {**row, "answer": reference(row["answer"])} if "answer" in row else row
-        scored = self.reward(action, **columns)
-        if isinstance(scored, dict):
-            scored = dict(scored)
-            return Result(reward=float(scored.pop("reward")), terminated=True, info={"metrics": scored})
-        return Result(reward=float(scored), terminated=True)
+        scoring = functools.partial(self.reward, action, **columns)
+        try:
+            scored = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_SCORING, scoring),
+                                            self.reward_timeout)
+        except TimeoutError:  # scored 0; the metric's mean is the share of episodes whose reward timed out
+            return Result(reward=0.0, terminated=True, info={"metrics": {"reward_timeout_rate": 1.0}})
+        scored = dict(scored) if isinstance(scored, dict) else {"reward": scored}
+        return Result(reward=float(scored.pop("reward")), terminated=True,
+                      info={"metrics": {**scored, "reward_timeout_rate": 0.0}})
 
     def demonstration(self, seed: int) -> list[dict]:
         row = self._row(seed)

@@ -24,12 +24,24 @@ class Episode:
     info: dict = field(default_factory=dict)  # turns, tool_calls, tool_errors, success, truncated
 
     def extend(self, ids, *, action=False, logprobs=None, versions=None, experts=None, entropies=None):
+        """Tokens that are not sampled here: prompt, env feedback, a forced tool-call opening (never trained), or a
+        demonstration's reply (`action`: the warm start's targets)."""
         self.token_ids += ids
         self.is_action += [action] * len(ids)
         self.logprobs += logprobs if action else [0.0] * len(ids)
         self.versions += versions if action else [-1] * len(ids)
         self.experts += experts if action and experts else [[]] * len(ids)
         self.entropies += entropies if action and entropies else [0.0] * len(ids)
+
+    def sampled(self, req, n: int | None = None):
+        """The one way sampled tokens enter a record, and so the one place that decides what RL trains: the first `n`
+        tokens the sampler drew for `req` (all by default; fewer when a stop string ended the reply inside them),
+        with the log-prob, version, entropy and experts of each as it was drawn. Nothing else a policy turn adds (a
+        forced opening, a stop string's tail, a template's delta) is an action. Only eval episodes decode greedily,
+        and they are never trained."""
+        n = len(req.ids) if n is None else n
+        self.extend(req.ids[:n], action=True, logprobs=req.logprobs[:n], versions=req.versions[:n],
+                    experts=req.experts[:n], entropies=req.entropies[:n])
 
     @property
     def opens_episode(self) -> bool:

@@ -23,7 +23,7 @@ from .config import RunConfig
 from .envs import EVAL_SEEDS
 from .episode import Episode
 from .models import load_policy, routers
-from .rollout import EnvError, Rollout
+from .rollout import EnvError, PromptTooLong, Rollout
 from .sampler import Sampler
 from .samples import record, training_samples
 from .sink import NullSink, Sink
@@ -87,7 +87,7 @@ class Training:
         self.recent_env_errors = deque(maxlen=cfg.loop.env_error_window)
         self.last_env_traceback = ""
         self.errors = "agent_errors" if self.rollout.server else "env_errors"  # the counter a failed episode adds to
-        self.counts = {self.errors: 0, "stale_dropped": 0, "groups_filtered": 0}
+        self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}
         self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
@@ -224,7 +224,7 @@ class Training:
         episodes = []
         for r in results:
             if isinstance(r, EnvError):
-                self.counts[self.errors] += 1
+                self.counts["prompt_too_long" if isinstance(r, PromptTooLong) else self.errors] += 1
                 self.last_env_traceback = str(r)
             elif isinstance(r, BaseException):
                 raise r
@@ -450,7 +450,7 @@ class Training:
         self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
         self.dropped_groups, self.requeued = state["dropped_groups"], state["requeued"]
         self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
-        self.counts = state["counts"]
+        self.counts.update(state["counts"])
         self.recent_env_errors.extend(state["recent_env_errors"])
         self.alerts.load_state_dict(state)
         self.breaker.load_state_dict(state["breaker"])

@@ -20,6 +20,11 @@ class EnvError(Exception):
     """An env call raised; this episode is dropped and counted."""
 
 
+class PromptTooLong(EnvError):
+    """No room in the context for the first reply: the episode is dropped and counted as its own kind of failure
+    (an episode without actions would pass for a stale one)."""
+
+
 class Rollout:
     """Runs one env's episodes for a policy: owns the env text (or messages) <-> token conversion; the sampler does
     the sampling. `stops`: the ids a policy turn ends at."""
@@ -55,11 +60,13 @@ class Rollout:
 
         async def act(turn: int) -> list[int] | None:
             if len(ep.token_ids) + env.max_tokens > self.context_limit:
+                if turn == 0:
+                    raise PromptTooLong(f"the prompt is {len(ep.token_ids)} tokens: with a reply of up to "
+                                        f"{env.max_tokens} it does not fit the context ({self.context_limit})")
                 return None
             req = await sampler.generate(ep.token_ids, env.max_tokens, images=ep.images, greedy=greedy,
                                          seed=hash((self.cfg.seed, seed, index, turn)) & (2**62 - 1))
-            ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions, experts=req.experts,
-                      entropies=req.entropies)
+            ep.sampled(req)
             info["entropy"] += sum(req.entropies)
             if drill and drill.random() < self.cfg.drills.env_error_rate:
                 raise EnvError("drill: injected env error (drills.env_error_rate)")
@@ -113,7 +120,7 @@ class Rollout:
                 reply["tool_calls"] = valid
             if calls:
                 info["turns"] += 1
-                info["tool_calls"] += 1
+                info["tool_calls"] += len(calls)
                 results = await run_tools(self.tools, calls, env.tool_timeout)
                 info["tool_errors"] += sum(error for _, _, error in results)
                 new = [{"role": "tool", "name": name, "content": out} for name, out, _ in results]

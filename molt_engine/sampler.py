@@ -28,6 +28,11 @@ class Request:
     top_logprobs: list = field(default_factory=list)  # per generated token: the `top` most likely (id, log-prob)
     row: int = -1                 # its row of the sampler's KV cache, shared by requests whose tokens are all equal
 
+    @property
+    def cancelled(self) -> bool:
+        """Its caller gave up (an episode cut off by its timeout, the run's end): nothing more is decoded for it."""
+        return self.future is not None and self.future.cancelled()
+
 
 class Sampler:
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
@@ -59,7 +64,8 @@ class Sampler:
         self.wake.set()
 
     async def generate(self, context, max_tokens, *, images=(), greedy=False, seed=0, top=0) -> Request:
-        req = Request(list(context), max_tokens, greedy, torch.Generator().manual_seed(seed), list(images), top=top)
+        generator = torch.Generator(self.device).manual_seed(seed)  # noise drawn where the logits are
+        req = Request(list(context), max_tokens, greedy, generator, list(images), top=top)
         req.future = asyncio.get_running_loop().create_future()
         self.pending.append(req)
         self.wake.set()
@@ -84,7 +90,10 @@ class Sampler:
     @torch.no_grad()
     def step(self) -> list[Request]:
         """One decode step: swap weights if published, decode one token for every cache row, prefill joining requests,
-        then regroup the rows. Returns the finished requests."""
+        then regroup the rows. Returns the finished requests. Cancelled requests leave first: their rows, and the KV
+        budget they held, are free for this step."""
+        if any(r.cancelled for r in self.active):
+            self._regroup([r for r in self.active if not r.cancelled])
         if self.new_weights is not None:
             (state_dict, self.version), self.new_weights = self.new_weights, None
             self.model.load_state_dict(state_dict)
@@ -116,14 +125,15 @@ class Sampler:
         """The pending requests that join now and those that wait, in submission order: the cache is rows x the
         longest row, so with every request counted at its longest (context + max_tokens) the joined ones never grow
         it past the KV budget. One request always runs, so a request larger than the budget still finishes."""
+        pending = [r for r in self.pending if not r.cancelled]
         if self.kv_tokens is None:
-            return self.pending, []
+            return pending, []
         longest = max((len(r.context) + r.max_tokens for r in self.active), default=0)
-        for i, req in enumerate(self.pending):
+        for i, req in enumerate(pending):
             longest = max(longest, len(req.context) + req.max_tokens)
             if len(self.active) + i > 0 and (len(self.active) + i + 1) * longest > self.kv_tokens:
-                return self.pending[:i], self.pending[i:]
-        return self.pending, []
+                return pending[:i], pending[i:]
+        return pending, []
 
     def _last_routes(self, rows: int) -> list | None:
         """MoE: the experts each row's last position went through in the forward just run ([rows][layers][k])."""
@@ -140,12 +150,12 @@ class Sampler:
         entropy = torch.special.entr(logp.exp()).sum(-1)
         rows = torch.tensor([req.row for req in reqs], device=self.device)
         logp, entropy = logp[rows], entropy[rows]
-        gumbel = torch.zeros(logp.shape)  # greedy requests take the argmax of logp itself; CPU generators draw it
+        gumbel = torch.zeros_like(logp)  # greedy requests take the argmax of logp itself
         for i, req in enumerate(reqs):
-            if not req.greedy:
-                uniform = torch.rand(logp.shape[-1], generator=req.generator).clamp(1e-20, 1.0)
+            if not req.greedy:  # on the request's generator, which lives on the logits' device
+                uniform = torch.rand(logp.shape[-1], generator=req.generator, device=logp.device).clamp(1e-20, 1.0)
                 gumbel[i] = -torch.log(-torch.log(uniform))
-        tokens = (logp + gumbel.to(self.device)).argmax(-1)
+        tokens = (logp + gumbel).argmax(-1)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
         for req, token, lp, h in zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist()):
             req.ids.append(token)

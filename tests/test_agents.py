@@ -9,14 +9,14 @@ import httpx
 import openai
 import pytest
 import torch
-from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
+from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
 
 from molt_engine import EnvFailure, NullSink, RunConfig, train
 from molt_engine.serving.agents import CALCULATOR, Agent, AgentContext
 from molt_engine.algo import advantages
 from molt_engine.chat import hermes, stop_ids
 from molt_engine.config import ModelConfig
-from molt_engine.envs import DEMO_SEEDS, ENVS
+from molt_engine.envs import DEMO_SEEDS
 from molt_engine.models import chat_tokenizer, load_policy
 from molt_engine.rollout import Rollout
 from molt_engine.sampler import Sampler
@@ -93,8 +93,8 @@ class RewritingAgent(Agent):
 
 
 @pytest.mark.parametrize("agent", [ThreeCallsAgent, StreamingThreeCallsAgent])
-def test_agent_turns_train_exactly_the_sampled_tokens(capture, agent):
-    ENVS.setdefault(agent.name, agent)
+def test_agent_turns_train_exactly_the_sampled_tokens(capture, registered, agent):
+    registered(agent)
     # A warm start that makes whole calls likely when sampled at temperature 0.5: the agent gets three in a row.
     summary = train({"env": agent.name, "model": {"preset": "tiny-chat"},
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0, "temperature": 0.5},
@@ -111,8 +111,8 @@ def test_agent_turns_train_exactly_the_sampled_tokens(capture, agent):
     assert summary["segments_per_episode"] == 1.0 and summary["agent_requests_per_episode"] >= 1.0
 
 
-def test_an_agent_that_rewrites_its_history_trains_two_segments(capture):
-    ENVS.setdefault(RewritingAgent.name, RewritingAgent)
+def test_an_agent_that_rewrites_its_history_trains_two_segments(capture, registered):
+    registered(RewritingAgent)
     summary = train({"env": RewritingAgent.name, "model": {"preset": "tiny-chat"},
                      "loop": {**SMALL, "steps": 2, "max_staleness": 0}, "warm_start": {"steps": 0}})
     assert summary["segments_per_episode"] == 2.0 and summary["agent_requests_per_episode"] == 2.0
@@ -371,8 +371,9 @@ class Steps(NullSink):
         self.rows.append(values)
 
 
-def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stops_the_run():
-    ENVS.setdefault(FlakyAgent.name, FlakyAgent)
+def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stops_the_run(registered, monkeypatch):
+    registered(FlakyAgent)
+    monkeypatch.setattr(FlakyAgent, "failed", {"raised": 0, "hung": 0})  # this test's counts only
     sink = Steps()
     summary = train({"env": FlakyAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
                      "loop": {**SMALL, "steps": 4}}, sink)
@@ -380,7 +381,7 @@ def test_agents_that_raise_or_hang_are_counted_and_dropped_and_most_failing_stop
     assert FlakyAgent.failed["raised"] > 0 and FlakyAgent.failed["hung"] > 0
     assert sum(r["agent_errors"] for r in sink.rows) == FlakyAgent.failed["raised"] + FlakyAgent.failed["hung"]
 
-    ENVS.setdefault(BrokenAgent.name, BrokenAgent)
+    registered(BrokenAgent)
     with pytest.raises(EnvFailure, match="the agent's own bug"):
         train({"env": BrokenAgent.name, "model": {"preset": "tiny-chat"}, "warm_start": {"steps": 0},
                "loop": {**SMALL, "steps": 4}})
@@ -452,3 +453,73 @@ def test_the_calculator_agent_and_the_chat_calculator_warm_start_on_the_same_tok
     pairs = list(zip(rows["chat_calculator"], rows["calculator_agent"]))
     assert all(a.token_ids == b.token_ids and a.is_action == b.is_action for a, b in pairs)
     assert {sum(a.is_action) > 10 for a, _ in pairs} == {True, False}  # both kinds: a tool call, a head-answer
+
+
+def test_training_samples_at_the_runs_temperature_whatever_a_request_asks_and_counts_it():
+    """A training episode's `temperature: 0` or `top_p` would make the trained log-probs not the behaviour
+    policy's: the server samples as the run does and counts the request; eval episodes decode greedily."""
+    class Greedy(Agent):
+        name = "greedy"
+        max_tokens = 8
+
+        async def run(self, ctx):
+            client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+            question = [{"role": "user", "content": "Hi"}]
+            replies[ctx.seed] = []
+            for asked in ({"temperature": 0}, {"top_p": 0.5}, {"temperature": 1.0}, {}):  # the last two: as the run
+                reply = await client.chat.completions.create(model=ctx.model, messages=question, **asked)
+                replies[ctx.seed].append(reply.choices[0].message.content)
+            return 1.0
+
+    replies = {}
+
+    async def episodes(greedy):
+        async with serving() as (server, sampler):
+            return await asyncio.gather(*(server.episode(Greedy(), sampler, seed, 0, 0, greedy) for seed in range(4)))
+    training = asyncio.run(episodes(False))
+    sampled = [replies[seed][0] for seed in range(4)]
+    assert len(set(sampled)) > 1  # temperature 0 asked, yet each seed drew its own sample
+    assert all(rows[0].info["metrics"]["sampling_overrides"] == 2 for rows in training)
+    evals = asyncio.run(episodes(True))
+    assert len({tuple(replies[seed]) for seed in range(4)}) == 1  # greedy: the same replies whatever the seed
+    assert all(rows[0].info["metrics"]["sampling_overrides"] == 0 for rows in evals)
+
+
+def test_a_stop_string_ends_the_text_and_the_record_alike_so_a_react_loop_sees_it_once():
+    """/v1/completions in a ReAct loop: the text ends before the stop (as OpenAI's does), the agent appends the stop
+    and an observation, and the next prompt goes on from there. The record then reads as the agent's transcript:
+    every request's kept tokens continue its prompt, and the stop is never there twice."""
+    stop = "a"
+
+    async def agent(ctx, server):
+        prompt, finishes = "Thought: 12+3=", []
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+        for _ in range(6):
+            choice = (await client.completions.create(model=ctx.model, prompt=prompt, max_tokens=16,
+                                                      stop=stop)).choices[0]
+            assert stop not in choice.text
+            asked, prompt = prompt, prompt + choice.text
+            prompt += (stop if choice.finish_reason == "stop" else "") + " Observation: 15\nThought:"
+        return asked, choice.text
+    (asked, text), (segment,), sampler = asyncio.run(_served(agent))  # one segment: each request continued it
+    assert sampler.stats["tokens"] > sum(b - a for a, b in action_runs(segment))  # stops cut replies: tokens left out
+    # The record is the last request's prompt, then as much of its reply's text as whole tokens hold.
+    record = chat_tokenizer().decode(segment.token_ids)
+    assert record.startswith(asked) and (asked + text).startswith(record)
+
+
+def test_a_chat_reply_cut_by_a_stop_string_is_recorded_without_it():
+    async def agent(ctx, server):
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+        messages, choices = [{"role": "user", "content": "Hi"}], []
+        for _ in range(6):
+            choice = (await client.chat.completions.create(model=ctx.model, messages=messages, stop=["a"],
+                                                           max_tokens=16)).choices[0]
+            choices.append(choice)
+            messages += [choice.message.model_dump(exclude_none=True), {"role": "user", "content": "More"}]
+        return choices
+    choices, segments, sampler = asyncio.run(_served(agent))
+    assert all("a" not in c.message.content for c in choices)
+    assert sampler.stats["tokens"] > sum(b - a for s in segments for a, b in action_runs(s))  # stops cut replies
+    replies = [chat_tokenizer().decode(s.token_ids[a:b]) for s in segments for a, b in action_runs(s)]
+    assert replies and all("a" not in reply for reply in replies)  # the stop's tokens are never trained

@@ -9,13 +9,14 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from molt_engine import Env, Observation, Result, train
+from molt_engine import Env, Observation, Result, RunConfig, train
 from molt_engine.chat import Template, hermes, run_tools, stop_ids
 from molt_engine.config import ModelConfig
 from molt_engine.data import word_problems
-from molt_engine.envs import ENVS, calculator
+from molt_engine.envs import DEMO_SEEDS, calculator
 from molt_engine.models import CHAT_TEMPLATE, _chat_bpe, chat_tokenizer, load_policy
-from test_invariants import action_runs, capture, trained_as_sampled  # noqa: F401  (capture: the fixture)
+from molt_engine.rollout import Rollout
+from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 
@@ -52,8 +53,8 @@ FORGETFUL = CHAT_TEMPLATE.replace("{% elif message.role == 'assistant' %}",
 
 
 @pytest.mark.parametrize("template", ["qwen", "forgetful"])
-def test_tool_turns_train_exactly_the_sampled_tokens(tmp_path, capture, template):
-    ENVS.setdefault("test_three_calls", ThreeCalls)
+def test_tool_turns_train_exactly_the_sampled_tokens(tmp_path, capture, registered, template):
+    registered(ThreeCalls)
     model, tok = load_policy(ModelConfig(preset="tiny-chat"), seed=0)
     assert tok.chat_template != FORGETFUL
     tok.chat_template = FORGETFUL if template == "forgetful" else CHAT_TEMPLATE
@@ -204,3 +205,24 @@ def test_calculator_demonstrations_answer_in_the_head_for_their_mental_share():
         assert 0.45 < share < 0.75
         with pytest.raises(ValidationError, match="mental_share must be in"):
             RunConfig.model_validate({"env": cls.name, "model": {"preset": "tiny-chat"}, "env_args": {"mental_share": 2}})
+
+
+class TwoAtOnce(ThreeCalls):
+    """One reply with two calculator calls, then the answer."""
+    name = "test_two_at_once"
+
+    def demonstration(self, seed):
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call, call]},
+                {"role": "assistant", "content": str((10 + seed % 50) * (2 + seed % 7))}]
+
+
+def test_tool_calls_counts_the_calls_and_turns_the_turns(registered):
+    """`tool_calls` (an episode's count, the samples' column, `tool_call_rate`) means what OpenAI's `tool_calls` does:
+    the calls, two in one turn here; `turns` counts the turns."""
+    registered(TwoAtOnce)
+    tok = chat_tokenizer()
+    rollout = Rollout(RunConfig.model_validate({"env": TwoAtOnce.name, "model": {"preset": "tiny-chat"}}), tok, 1024,
+                      stop_ids(tok))
+    ep = asyncio.run(rollout.demonstration(DEMO_SEEDS))
+    assert ep.info["tool_calls"] == 2 and ep.info["turns"] == 2 and ep.reward == 1.0

@@ -2,6 +2,7 @@
 input refused at submit."""
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -99,3 +100,34 @@ def test_word_problems_are_gsm8k_format():
         a, op, b, _, result = work.split()
         assert int(result) == int(value) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
         assert row["prompt"].endswith("?")
+
+
+def test_a_reward_that_blocks_runs_off_the_loop_times_out_scores_0_and_is_counted(tmp_path):
+    """Rewards run in threads of their own: while one blocks (math-verify on a pathological answer), the event loop
+    scores other episodes; past `reward_timeout` it scores 0 and the episode says so (`reward_timeout_rate`)."""
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2?", "answer": "4"}])
+    release, order = threading.Event(), []
+
+    def stuck(completion, answer, **columns):
+        release.wait(10)
+        return 1.0
+    slow, fast = Dataset(path=path, reward_timeout=0.3), Dataset(path=path, reward="numeric")
+    slow.reward = stuck
+
+    async def score(env, action):
+        await env.reset(0)
+        result = await env.step(action)
+        order.append(env)
+        return result
+
+    async def both():
+        return await asyncio.gather(score(slow, "4"), score(fast, "so 4"))
+    try:
+        timed_out, scored = asyncio.run(both())
+    finally:
+        release.set()
+    assert order == [fast, slow]  # the loop went on while the reward blocked
+    assert timed_out.reward == 0.0 and timed_out.info["metrics"] == {"reward_timeout_rate": 1.0}
+    assert scored.reward == 1.0 and scored.info["metrics"] == {"reward_timeout_rate": 0.0}
+    assert "reward_timeout must be > 0" in errors({"env": "dataset", "model": {"preset": "tiny-chat"},
+                                                   "env_args": {"path": path, "reward_timeout": 0}})

@@ -342,3 +342,85 @@ def test_weight_swap_mid_generation_reprefills_with_images():
             logp = token_logprobs(model.eval(), batch, 1.0)
         tagged = batch["action_mask"] & (batch["versions"] == version)
         assert tagged.sum() >= 2 and (logp[tagged] - batch["behav_logp"][tagged]).abs().max() <= 1e-5
+
+
+def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
+    """A request whose caller gave up (an agent's timeout, the run's end) is decoded no further from the next step
+    on, and the KV budget it held goes to the next request at once; one cancelled while it waits is never decoded."""
+    tok = char_tokenizer()
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
+    sampler = Sampler(model, [], tok.pad_token_id, temperature=1.0)  # no stop ids: each runs to its max_tokens
+    sampler.kv_tokens = len(context) + 40  # room for one request at a time
+    loop = asyncio.new_event_loop()
+    reqs = [Request(context, 40, False, torch.Generator().manual_seed(i)) for i in range(3)]
+    for req in reqs:
+        req.future = loop.create_future()
+    sampler.pending += reqs
+    for _ in range(3):
+        sampler.step()
+    assert sampler.active == [reqs[0]] and len(reqs[0].ids) == 3 and sampler.pending == reqs[1:]
+    reqs[0].future.cancel()
+    sampler.step()
+    assert len(reqs[0].ids) == 3  # nothing more decoded for it
+    assert sampler.active == [reqs[1]] and len(reqs[1].ids) == 1 and len(sampler.mask) == 1  # its row went to the next
+    reqs[2].future.cancel()
+    while sampler.active:
+        sampler.step()
+    assert len(reqs[1].ids) == 40 and reqs[2].ids == [] and sampler.pending == []
+    loop.close()
+
+
+def test_sampling_noise_comes_from_a_generator_on_the_models_device_and_follows_the_seed():
+    tok = char_tokenizer()
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
+
+    async def sample(seeds):
+        sampler = Sampler(model, [], tok.pad_token_id, temperature=1.0)
+        task = asyncio.create_task(sampler.run())
+        reqs = await asyncio.gather(*(sampler.generate(context, 12, seed=s) for s in seeds))
+        task.cancel()
+        assert all(r.generator.device == sampler.device == next(model.parameters()).device for r in reqs)
+        return [r.ids for r in reqs]
+    first, second = asyncio.run(sample([5, 6])), asyncio.run(sample([6, 5]))
+    assert first == second[::-1] and first[0] != first[1]  # a request's tokens follow its seed, not its batch
+
+
+class Verbose(Env):
+    """Every `every`-th prompt is longer than tiny-dense's context (512): no room for a reply."""
+    name = "test_verbose"
+
+    def __init__(self, every: int = 3):
+        super().__init__()
+        self.every = every
+
+    async def reset(self, seed):
+        return Observation(text="1 " * (300 if seed % self.every == 0 else 2) + "=")
+
+    async def step(self, action):
+        return Result(reward=float(action.strip() == "1"), terminated=True)
+
+    def demonstration(self, seed):
+        return ["1"]
+
+
+def test_a_prompt_without_room_for_a_reply_is_counted_as_too_long_not_as_stale(registered):
+    registered(Verbose)
+
+    class Sink(loop_mod.NullSink):
+        rows, alerts = [], []
+
+        def metrics(self, step, values):
+            self.rows.append(values)
+
+        def alert(self, kind, message, **data):
+            self.alerts.append(kind)
+    summary = train({"env": "test_verbose", "loop": {**SMALL, "steps": 4}, "warm_start": {"steps": 0}}, Sink())
+    assert summary["status"] == "completed"
+    assert sum(r["prompt_too_long"] for r in Sink.rows) >= 4  # prompt 0's group at least: 4 episodes
+    assert sum(r["stale_dropped"] for r in Sink.rows) == 0 and "staleness" not in Sink.alerts
+    assert all(r["env_errors"] == 0 for r in Sink.rows)
+    with pytest.raises(loop_mod.EnvFailure, match=r"the prompt is \d+ tokens: .* does not fit the context \(512\)"):
+        train({"env": "test_verbose", "env_args": {"every": 1}, "loop": {**SMALL, "steps": 4},
+               "warm_start": {"steps": 0}})

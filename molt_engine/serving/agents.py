@@ -31,9 +31,9 @@ class Agent(Env):
 
     `run` drives the episode with any OpenAI-compatible client pointed at `ctx.base_url` and returns the reward.
     The engine records exactly the tokens its policy sampled for each request. Sampling follows the run
-    (`loop.temperature`; a request's `temperature: 0` decodes greedily) so that the trained log-probs are those
-    that were sampled. An agent that raises or runs longer than `timeout` seconds is an env error: the episode is
-    dropped and counted."""
+    (`loop.temperature`, whatever a request's `temperature` or `top_p` say; eval episodes decode greedily) so that
+    the trained log-probs are those that were sampled. An agent that raises or runs longer than `timeout` seconds is
+    an env error: the episode is dropped and counted."""
 
     chat = True          # requests are rendered with the policy's chat template
     tools: tuple = ()    # OpenAI tool schemas: those its demonstrations are rendered with (what run() sends)

@@ -35,7 +35,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")  # the SDKs send fields that change nothing here (user, metadata, ...)
     model: str
     max_tokens: int | None = Field(None, gt=0)
-    temperature: float | None = Field(None, ge=0, le=2)  # 0 decodes greedily; any other value samples as the run does
+    temperature: float | None = Field(None, ge=0, le=2)  # accepted; training samples at the run's temperature
     top_p: float | None = Field(None, gt=0, le=1)        # accepted; the run's distribution is what is trained
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -77,6 +77,7 @@ class _Episode:
     requests: int = 0
     tool_calls: int = 0
     breaks: int = 0
+    overrides: int = 0  # requests whose temperature or top_p the run's sampling overrode
 
 
 class AgentServer:
@@ -140,7 +141,7 @@ class AgentServer:
         if rows:
             rows[0].info.update(turns=ep.requests, tool_calls=ep.tool_calls, template_prefix_breaks=ep.breaks,
                                 metrics={**ctx.metrics, "agent_requests_per_episode": ep.requests,
-                                         "segments_per_episode": len(rows)})
+                                         "segments_per_episode": len(rows), "sampling_overrides": ep.overrides})
         return rows
 
     # ---- requests -------------------------------------------------------------------------------------------------
@@ -215,9 +216,9 @@ class AgentServer:
             else:
                 delta, broke = template.ids(messages, generation=True), False
             delta += self.encode(forced)
-            ids, logprobs, text, finish = await self.sample(ep, body, delta, extends,
-                                                            body.max_completion_tokens or body.max_tokens,
-                                                            body.top_logprobs if body.logprobs else None)
+            ids, logprobs, text, finish, kept = await self.sample(ep, body, delta, extends,
+                                                                  body.max_completion_tokens or body.max_tokens,
+                                                                  body.top_logprobs if body.logprobs else None)
             ep.breaks += broke
             content, calls = self.parse(forced + text) if choice != "none" else (text.strip(), [])
             if any("error" in c for c in calls):  # an unparsable call comes back as the text it is
@@ -226,7 +227,10 @@ class AgentServer:
             if calls:
                 reply["tool_calls"] = [{"type": "function", "function": c} for c in calls]
                 finish = "tool_calls"
-            ep.said, ep.tools, ep.tool_calls = messages + [reply], body.tools, ep.tool_calls + bool(calls)
+            # The segment stands for this reply only when its tokens hold all of the reply's text (a stop string
+            # may end the text inside a token): otherwise the next request starts a new segment.
+            ep.said = messages + [reply] if kept == text else None
+            ep.tools, ep.tool_calls = body.tools, ep.tool_calls + len(calls)
         message = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None}
         if calls:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -241,8 +245,9 @@ class AgentServer:
         async with ep.lock:
             extends = isinstance(ep.said, str) and body.prompt.startswith(ep.said)
             delta = self.encode(body.prompt[len(ep.said):] if extends else body.prompt)
-            ids, logprobs, text, finish = await self.sample(ep, body, delta, extends, body.max_tokens, body.logprobs)
-            ep.said, ep.tools = body.prompt + text, None
+            ids, logprobs, text, finish, kept = await self.sample(ep, body, delta, extends, body.max_tokens,
+                                                                  body.logprobs)
+            ep.said, ep.tools = body.prompt + kept, None  # the rest of the text, if any, comes back as prompt
         lp = None
         if body.logprobs is not None:
             tokens = [t["token"] for t in logprobs]
@@ -254,11 +259,16 @@ class AgentServer:
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]}
 
     async def sample(self, ep: _Episode, body: _Body, delta: list[int], extends: bool, max_tokens: int | None,
-                     top: int | None) -> tuple[list[int], list[dict], str, str]:
+                     top: int | None) -> tuple[list[int], list[dict], str, str, str]:
         """Append `delta` (non-action) to the newest segment, or start a new one with it, and sample the reply into
-        it. The caller holds the episode's lock. Returns the reply's ids, their OpenAI log-probs with `top`
-        alternatives each (none when `top` is None: not asked for), its text (cut at the first stop string) and the
-        finish reason."""
+        it. The caller holds the episode's lock. Returns the reply's ids (those kept), their OpenAI log-probs with
+        `top` alternatives each (none when `top` is None: not asked for), its text, the finish reason and the text
+        of the kept tokens.
+
+        Training episodes sample at the run's temperature whatever the request asks (the trained log-probs must be
+        the behaviour policy's; overrides are counted); eval episodes decode greedily. A stop string ends the text
+        before it, as OpenAI's does, and the segment keeps the sampled tokens that lie wholly inside that text: the
+        stop is never in the record, so a prompt that goes on from the text (and, say, the stop) has it once."""
         before = len(ep.segments[-1].token_ids) if extends else 0
         if before + len(delta) >= self.context_limit:
             raise OpenAIError(400, f"the prompt is {before + len(delta)} tokens; this model's context is "
@@ -269,28 +279,29 @@ class AgentServer:
         segment.extend(delta)
         budget = min(max_tokens or ep.max_tokens, self.context_limit - len(segment.token_ids))
         ep.requests += 1
+        ep.overrides += not ep.greedy and (body.temperature not in (None, ep.sampler.temperature)
+                                           or body.top_p not in (None, 1))
+        asked = -1 if body.seed is None else body.seed  # hash(None) differs from one process to the next
         req = await ep.sampler.generate(
-            segment.token_ids, budget, greedy=ep.greedy or body.temperature == 0, top=top or 0,
-            seed=hash((self.run_seed, ep.seed, ep.index, ep.requests, body.seed)) & (2**62 - 1))
+            segment.token_ids, budget, greedy=ep.greedy, top=top or 0,
+            seed=hash((self.run_seed, ep.seed, ep.index, ep.requests, asked)) & (2**62 - 1))
         ids, ended = req.ids, req.ids[-1] in self.stops
-        text, finish = self.tokenizer.decode(ids[:-1] if ended else ids), "stop" if ended else "length"
+        text = kept = self.tokenizer.decode(ids[:-1] if ended else ids)
+        finish = "stop" if ended else "length"
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        for k in range(len(ids) if stops else 0):  # keep the sampled tokens up to the one that completes a stop
-            seen = self.tokenizer.decode(ids[:k + 1])
-            hits = [seen.find(s) for s in stops if s and s in seen]
-            if hits:
-                ids, text, finish = ids[:k + 1], seen[:min(hits)], "stop"
-                break
-        n = len(ids)
-        segment.extend(ids, action=True, logprobs=req.logprobs[:n], versions=req.versions[:n],
-                       experts=req.experts[:n], entropies=req.entropies[:n])
-        ep.ended = ids[-1] in self.stops
+        cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+            n = next(k for k in range(len(ids), -1, -1) if text.startswith(self.tokenizer.decode(ids[:k])))
+            ids, kept = ids[:n], self.tokenizer.decode(ids[:n])
+        segment.sampled(req, len(ids))
+        ep.ended = bool(ids) and ids[-1] in self.stops
         token = self.tokenizer.decode
         logprobs = [{"token": token([t]), "logprob": lp, "bytes": list(token([t]).encode()),
                      "top_logprobs": [{"token": token([i]), "logprob": v, "bytes": list(token([i]).encode())}
                                       for i, v in (req.top_logprobs[j] if top else [])]}
                     for j, (t, lp) in enumerate(zip(ids, req.logprobs))] if top is not None else []
-        return ids, logprobs, text, finish
+        return ids, logprobs, text, finish, kept
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
