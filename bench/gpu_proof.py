@@ -4,33 +4,33 @@ Each check prints one JSON line, {"check": name, "ok": true|false|null, ...numbe
 --out as it finishes; a check that raises puts its error in its line and the next one runs; the exit code is 1 if any
 check failed. ok null = skipped, with the reason in "skipped" (the CUDA-only checks on a CPU).
 
-  setup          versions, device, the real-size model's shape
+  setup          versions, device, the model's shape, what "peak_gb" means below
   learn          max_digit on the device in bf16 (engine defaults, --seed) to greedy eval >= 0.9; samples/s
-  sampler        a random-init Qwen2 of Qwen2.5-0.5B's shape in bf16: the engine's sampler at 64 and 256 concurrent
-                 requests (distinct random prompts of 256 tokens, no stop token, 256 new tokens or as many as 45 s
-                 allow): prefill tokens/s (prompt tokens over its first step, which also samples every request's
-                 first token: a lower bound), decode tokens/s (the steps after it), beside transformers' generate on
-                 the same model, batch and length; peak memory; mismatch_kl of the trainer's recomputed log-probs
-                 (fp32 weights, bf16 autocast) against the sampler's on the 64-request samples
-  trainer        the GRPO update (train_step, AdamW) on those 64 samples, whole batch and micro-batches: tokens/s
-                 (every token of the batch), MFU = (6 N tokens + causal attention 6 L d sum(len^2)) / s / peak, memory
-  two_jobs       the sampler's tokens/s on the 64 prompts alone, then while the trainer updates (micro-batches) in
-                 the same process (asyncio + worker threads, as the engine runs them); each over 45 s at most
+  sampler        a random-init Qwen2 of Qwen2.5-0.5B's shape in bf16; the engine's sampler at 64 and 256 requests
+                 (distinct random 256-token prompts, no stop token, 256 new tokens or what 45 s allow): prefill
+                 tokens/s (over its first step, which also samples each first token: a lower bound) and decode
+                 tokens/s, beside transformers' generate on the same model, batch and length; peak memory;
+                 mismatch_kl of the trainer's log-probs (fp32 weights, bf16 autocast) vs the sampler's (64 requests)
+  trainer        train_step (GRPO, AdamW) on those 64 samples, whole batch and micro-batches: tokens/s (all tokens),
+                 MFU = (6 N tokens + causal attention 6 L d sum(len^2)) / s / --peak-tflops, peak memory
+  two_jobs       the sampler's tokens/s on the 64 prompts alone, then while the trainer updates in the same process
+                 (asyncio + worker threads, as in a run); 45 s at most each
   oom            a real out-of-memory: GPU memory capped (set_per_process_memory_fraction) between what the whole
-                 batch and a micro-batch need; train_step_fitting splits the step, and its weights are compared
-                 with a step run at the micro-batch size that fit (SGD, lr 1: the weight change is the gradient)
-  machine_panel  the runs page's GPU numbers (nvidia-ml-py: utilisation, memory) read every 0.5 s during the run
+                 batch and a micro-batch need; train_step_fitting splits the step; its weights vs a step run at the
+                 micro-batch size that fit (SGD, lr 1: the weight change is the gradient)
+  machine_panel  the runs page's GPU numbers (nvidia-ml-py: utilisation, memory), read every 0.5 s during the run
 
-On the GPU machine (offline, torch 2.11, transformers 5.17), from the repository root, about 5 minutes on an H200:
+On the GPU machine (an H200: offline, Python 3.12, torch 2.11, transformers 5.17), about 5 minutes. The engine needs
+transformers 5.24 (models take and return `cache`; 5.17 to 5.23 call it past_key_values), and its imports need
+pydantic, openai, httpx, uvicorn and fastapi beyond the image's packages (molt_engine/__init__ and the rollout import
+serving/, whose server never starts here; datasets and math-verify load only with the dataset env). Fetch them here
+(24 wheels, 20 MB) and carry .whl:
 
-  pip install --no-index --find-links wheels/ pydantic openai httpx uvicorn fastapi
-  PYTHONUNBUFFERED=1 python bench/gpu_proof.py --out $OUT/gpu_proof.jsonl
-
-The engine's import chain needs, beyond torch, transformers, tokenizers, numpy, safetensors, pillow and nvidia-ml-py:
-pydantic (the config), openai and httpx (molt_engine/__init__ imports serving/agents), uvicorn and fastapi (the
-rollout imports the loopback server; it never starts here); carry them with their dependencies, e.g.
-`pip download -d wheels/ --only-binary=:all: --python-version 3.X pydantic openai httpx uvicorn fastapi` (3.X = the
-device's Python). Datasets and math-verify are imported only by the dataset env, which this script never builds.
+  echo /.whl/ >> .git/info/exclude; W="--only-binary=:all: --python-version 3.12 --implementation cp -d .whl"
+  python3 -m pip download $W --platform manylinux2014_x86_64 pydantic openai httpx uvicorn fastapi
+  python3 -m pip download $W --no-deps transformers==5.24.0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 bench/gpu_proof.py --out $OUT/gpu_proof.jsonl
 
 At toy scale on a CPU (tests/test_gpu_proof.py), a minute or two:  python bench/gpu_proof.py --device cpu --tiny
 """
@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from molt_engine import NullSink, RunConfig  # noqa: E402
@@ -68,13 +70,13 @@ GROUP = 8  # episodes per prompt in the update (GRPO groups)
 
 def check_setup(args, s):
     device = torch.device(args.device)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    import transformers
-    return {"ok": True, "device": str(device), "gpu": gpu, "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__, "python": platform.python_version(), "tiny": args.tiny,
-            "shape": {k: v for k, v in args.scale.items() if k in ("layers", "hidden", "intermediate", "heads",
-                                                                   "kv_heads", "vocab")},
-            "peak_tflops": args.peak_tflops}
+    cuda = device.type == "cuda"
+    return {"ok": True, "device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "torch_threads": torch.get_num_threads(), "tiny": args.tiny,
+            "shape": {k: args.scale[k] for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")},
+            "peak_tflops": args.peak_tflops,
+            "memory": "torch.cuda.max_memory_allocated" if cuda else "the process's max RSS (never reset)"}
 
 
 class Watch(NullSink):
@@ -109,7 +111,6 @@ def check_learn(args, s):
 
 def check_sampler(args, s):
     device, sc = torch.device(args.device), args.scale
-    from transformers import AutoModelForCausalLM, Qwen2Config
     config = Qwen2Config(vocab_size=sc["vocab"], hidden_size=sc["hidden"], intermediate_size=sc["intermediate"],
                          num_hidden_layers=sc["layers"], num_attention_heads=sc["heads"],
                          num_key_value_heads=sc["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=True,
@@ -118,8 +119,8 @@ def check_sampler(args, s):
     with device:  # random init where it will run: a 0.5B init on the host takes a while
         s["model"] = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # the trainer's: fp32 weights
     s["sampler_model"] = model = copy.deepcopy(s["model"]).to(torch.bfloat16).eval()  # as the engine makes it
-    s["params"] = sum(p.numel() for p in s["model"].parameters())
-    new = sc["new"]
+    s["params"] = sum(p.numel() for p in s["model"].parameters())  # tied embeddings counted once
+    weights_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # in every peak below
     decode(model, random_prompts(2, sc), 4, sc["budget_s"])  # warm-up: kernels, allocator
     generate(model, random_prompts(2, sc), 4)
     rows = []
@@ -140,8 +141,8 @@ def check_sampler(args, s):
             s["prompts"], s["episodes"] = prompts, episodes(reqs, prompts)
     kl, gap = mismatch(s["model"], s["episodes"], device, sc["micro"])
     return {"ok": all(r["decode_tokens_per_s"] > 0 and r["generate_tokens_per_s"] > 0 for r in rows) and kl < 0.05,
-            "params": s["params"], "prompt": sc["prompt"], "max_new_tokens": sc["new"], "batches": rows,
-            "mismatch_kl": kl, "mismatch_abs": gap, "memory": memory_kind(device)}
+            "params": s["params"], "weights_gb": weights_gb, "prompt": sc["prompt"], "max_new_tokens": sc["new"],
+            "batches": rows, "mismatch_kl": kl, "mismatch_abs": gap}
 
 
 def random_prompts(n: int, sc: dict) -> list[list[int]]:
@@ -225,7 +226,7 @@ def check_trainer(args, s):
                      "mfu": flops / seconds / (args.peak_tflops * 1e12) if args.peak_tflops else None,
                      "peak_gb": peak, "grad_norm": metrics["grad_norm"], "mismatch_kl": metrics["mismatch_kl"]})
     return {"ok": all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in rows), "episodes": len(lengths),
-            "tokens": sum(lengths), "flops_per_step": flops, "runs": rows, "memory": memory_kind(device)}
+            "tokens": sum(lengths), "flops_per_step": flops, "runs": rows}
 
 
 def check_two_jobs(args, s):
@@ -273,15 +274,15 @@ def check_oom(args, s):
     # Room for the step between what a micro-batch needs and what the whole batch needs: the whole batch can't fit.
     cap = torch.cuda.memory_allocated(device) / 1e9 + (need[None] + need[args.scale["micro"]]) / 2
     total = torch.cuda.get_device_properties(device).total_memory / 1e9
-    step = dict(cfg=cfg, step=0, published=published, pad_id=0)
+    common = dict(cfg=cfg, step=0, published=published, pad_id=0)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     try:
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)
         (_, split, _, _), fitted = train_step_fitting(model, sgd, groups, breaker=Breaker(cfg.breaker),
-                                                      micro_batch_size=None, **step)
+                                                      micro_batch_size=None, **common)
         model.load_state_dict(published)
         _, direct, _, _ = train_step(model, sgd, groups, breaker=Breaker(cfg.breaker), micro_batch_size=fitted,
-                                     **step)
+                                     **common)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         model.load_state_dict(published)
@@ -340,10 +341,6 @@ def peak_gb(device) -> float:
         torch.cuda.reset_peak_memory_stats(device)
         return peak / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux; never reset
-
-
-def memory_kind(device) -> str:
-    return "torch.cuda.max_memory_allocated" if device.type == "cuda" else "process max RSS (whole run so far)"
 
 
 CHECKS = {"setup": check_setup, "learn": check_learn, "sampler": check_sampler, "trainer": check_trainer,
