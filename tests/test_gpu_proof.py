@@ -24,7 +24,7 @@ def test_the_gpu_proof_runs_every_check_at_toy_scale_on_the_cpu(tmp_path):
     assert c["setup"]["ok"] and c["setup"]["device"] == "cpu" and c["setup"]["peak_tflops"] is None
 
     learn = c["learn"]  # a few steps: greedy eval improves on the warm start's, the samples carry bf16's gap
-    assert learn["ok"] and learn["steps"] == 20 and learn["samples_per_s_median"] > 0
+    assert learn["ok"] and 0 < learn["steps"] <= 20 and learn["samples_per_s_median"] > 0
     assert learn["eval_best"] > learn["eval_reward"]["0"]
     assert 0 < learn["mismatch_kl_median"] < 1e-3
 
