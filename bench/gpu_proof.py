@@ -1,0 +1,396 @@
+"""The GPU proof: one command that shows the engine learns, samples, trains, shares a process and recovers on a GPU.
+
+Each check prints one JSON line, {"check": name, "ok": true|false|null, ...numbers..., "seconds": s}, also written to
+--out as it finishes; a check that raises puts its error in its line and the next one runs; the exit code is 1 if any
+check failed. ok null = skipped, with the reason in "skipped" (the CUDA-only checks on a CPU).
+
+  setup          versions, device, the model's shape, what "peak_gb" means below
+  learn          max_digit on the device in bf16 (engine defaults, --seed) to greedy eval >= 0.9 (then it stops);
+                 samples/s
+  sampler        a random-init Qwen2 of Qwen2.5-0.5B's shape in bf16; the engine's sampler at 64 and 256 requests
+                 (distinct random 256-token prompts, no stop token, 256 new tokens or what 45 s allow): prefill
+                 tokens/s (over its first step, which also samples each first token: a lower bound) and decode
+                 tokens/s, beside transformers' generate on the same model, batch and length; peak memory;
+                 mismatch_kl of the trainer's log-probs (fp32 weights, bf16 autocast) vs the sampler's (64 requests)
+  trainer        train_step (GRPO, AdamW) on those 64 samples, whole batch and micro-batches: tokens/s (all tokens),
+                 MFU = (6 N tokens + causal attention 6 L d sum(len^2)) / s / --peak-tflops, peak memory
+  two_jobs       the sampler's tokens/s on the 64 prompts alone, then while the trainer updates in the same process
+                 (asyncio + worker threads, as in a run); 45 s at most each
+  oom            a real out-of-memory: GPU memory capped (set_per_process_memory_fraction) between what the whole
+                 batch and a micro-batch need; train_step_fitting splits the step; its weights vs a step run at the
+                 micro-batch size that fit (SGD, lr 1: the weight change is the gradient)
+  machine_panel  the runs page's GPU numbers (nvidia-ml-py: utilisation, memory), read every 0.5 s during the run
+
+On the GPU machine (an H200: offline, Python 3.12, torch 2.11, transformers 5.17), about 5 minutes. The engine needs
+transformers 5.24 (models take and return `cache`; 5.17 to 5.23 call it past_key_values), and its imports need
+pydantic, openai, httpx, uvicorn and fastapi beyond the image's packages (molt_engine/__init__ and the rollout import
+serving/, whose server never starts here; datasets and math-verify load only with the dataset env). Fetch them here
+(24 wheels, 20 MB) and carry .whl:
+
+  echo /.whl/ >> .git/info/exclude; W="--only-binary=:all: --python-version 3.12 --implementation cp -d .whl"
+  python3 -m pip download $W --platform manylinux2014_x86_64 pydantic openai httpx uvicorn fastapi
+  python3 -m pip download $W --no-deps transformers==5.24.0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 bench/gpu_proof.py --out $OUT/gpu_proof.jsonl
+
+At toy scale on a CPU (tests/test_gpu_proof.py), a minute or two:  python bench/gpu_proof.py --device cpu --tiny
+"""
+import argparse
+import asyncio
+import copy
+import functools
+import json
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from molt_engine import NullSink, RunConfig  # noqa: E402
+from molt_engine.algo import kl_penalty  # noqa: E402
+from molt_engine.breaker import Breaker  # noqa: E402
+from molt_engine.episode import Episode, collate, to_device, token_logprobs  # noqa: E402
+from molt_engine.loop import Training  # noqa: E402
+from molt_engine.sampler import Request, Sampler  # noqa: E402
+from molt_engine.update import train_step, train_step_fitting  # noqa: E402
+
+# Qwen2.5-0.5B's published shape, and a toy one that keeps its proportions (grouped KV heads, tied embeddings).
+FULL = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151_936, prompt=256, new=256,
+            requests=(64, 256), micro=8, learn_steps=100, budget_s=45)
+TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=2048, prompt=24, new=24,
+            requests=(8, 16), micro=4, learn_steps=20, budget_s=45)
+GROUP = 8  # episodes per prompt in the update (GRPO groups)
+
+
+def check_setup(args, s):
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    return {"ok": True, "device": str(device), "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": platform.python_version(), "torch_threads": torch.get_num_threads(), "tiny": args.tiny,
+            "shape": {k: args.scale[k] for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")},
+            "peak_tflops": args.peak_tflops,
+            "memory": "torch.cuda.max_memory_allocated" if cuda else "the process's max RSS (never reset)"}
+
+
+class Watch(NullSink):
+    """The run's evals (step -> reward, seconds since start) and its training steps' samples/s and mismatch; stops
+    the run at the first eval >= 0.9 after RL began (GPU time is scarce)."""
+
+    def __init__(self, stop):
+        self.stop, self.t0, self.evals, self.rates, self.mismatch = stop, time.perf_counter(), {}, [], []
+
+    def metrics(self, step, values):
+        if "eval_reward" in values:
+            self.evals[step] = (values["eval_reward"], time.perf_counter() - self.t0)
+            if step > 0 and values["eval_reward"] >= 0.9:
+                self.stop()
+        if "samples_per_s" in values:
+            self.rates.append(values["samples_per_s"])
+            self.mismatch.append(values["mismatch_kl"])
+
+
+def check_learn(args, s):
+    cfg = RunConfig.model_validate({"env": "max_digit", "seed": args.seed, "checkpoint": {"every": 0},
+                                    "model": {"device": args.device, "dtype": "bfloat16"},
+                                    "loop": {"steps": args.scale["learn_steps"], "eval_every": 10, "eval_episodes": 64}})
+    watch = Watch(lambda: training.request_stop())
+    training = Training(cfg, watch)
+    summary = asyncio.run(training.run())
+    rewards = {step: r for step, (r, _) in watch.evals.items()}
+    reached = [(step, t) for step, (r, t) in sorted(watch.evals.items()) if step > 0 and r >= 0.9]
+    best, first = max(rewards.values()), rewards[min(rewards)]
+    # At toy scale there are too few steps for 0.9: the proof is that greedy eval improved on the warm start's.
+    return {"ok": summary["status"] in ("completed", "stopped") and (best > first if args.tiny else bool(reached)),
+            "steps": summary["step"], "eval_reward": rewards, "eval_best": best,
+            "steps_to_0.9": reached[0][0] if reached else None, "seconds_to_0.9": reached[0][1] if reached else None,
+            "samples_per_s_median": statistics.median(watch.rates),
+            "mismatch_kl_median": statistics.median(watch.mismatch), "mismatch_kl_max": max(watch.mismatch)}
+
+
+def check_sampler(args, s):
+    device, sc = torch.device(args.device), args.scale
+    config = Qwen2Config(vocab_size=sc["vocab"], hidden_size=sc["hidden"], intermediate_size=sc["intermediate"],
+                         num_hidden_layers=sc["layers"], num_attention_heads=sc["heads"],
+                         num_key_value_heads=sc["kv_heads"], max_position_embeddings=4096, tie_word_embeddings=True,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    with device:  # random init where it will run: a 0.5B init on the host takes a while
+        s["model"] = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # the trainer's: fp32 weights
+    s["sampler_model"] = model = copy.deepcopy(s["model"]).to(torch.bfloat16).eval()  # as the engine makes it
+    s["params"] = sum(p.numel() for p in s["model"].parameters())  # tied embeddings counted once
+    weights_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # in every peak below
+    decode(model, random_prompts(2, sc), 4, sc["budget_s"])  # warm-up: kernels, allocator
+    generate(model, random_prompts(2, sc), 4)
+    rows = []
+    for n in sc["requests"]:
+        prompts = random_prompts(n, sc)
+        peak_gb(device)
+        first_s, decode_s, reqs = decode(model, prompts, sc["new"], sc["budget_s"])
+        sampler_peak, new = peak_gb(device), len(reqs[0].ids)  # all requests decode in step
+        generate_s = generate(model, prompts, new)
+        rows.append({"requests": n, "new_tokens": new, "first_step_seconds": first_s,
+                     "prefill_tokens_per_s": n * sc["prompt"] / first_s, "decode_step_seconds": decode_s / (new - 1),
+                     "decode_tokens_per_s": n * (new - 1) / decode_s,
+                     "sampler_tokens_per_s": n * new / (first_s + decode_s),
+                     "generate_tokens_per_s": n * new / generate_s, "sampler_seconds": first_s + decode_s,
+                     "generate_seconds": generate_s, "sampler_peak_gb": sampler_peak,
+                     "generate_peak_gb": peak_gb(device)})
+        if n == sc["requests"][0]:  # the batch the trainer checks update on
+            s["prompts"], s["episodes"] = prompts, episodes(reqs, prompts)
+    kl, gap = mismatch(s["model"], s["episodes"], device, sc["micro"])
+    return {"ok": all(r["decode_tokens_per_s"] > 0 and r["generate_tokens_per_s"] > 0 for r in rows) and kl < 0.05,
+            "params": s["params"], "weights_gb": weights_gb, "prompt": sc["prompt"], "max_new_tokens": sc["new"],
+            "batches": rows, "mismatch_kl": kl, "mismatch_abs": gap}
+
+
+def random_prompts(n: int, sc: dict) -> list[list[int]]:
+    """Distinct random prompts: neither the sampler's nor the trainer's sharing of identical prefixes applies."""
+    return torch.randint(3, sc["vocab"], (n, sc["prompt"]), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def decode(model, prompts, new: int, budget_s: float) -> tuple[float, float, list[Request]]:
+    """The engine's sampler on `prompts` (all joining at once, no stop token, `new` tokens or as many as `budget_s`
+    allows): seconds of its first step (the prefill and every request's first token), seconds of the decode steps
+    after it, and the requests."""
+    sampler = Sampler(model, stop_ids=[], pad_id=0, temperature=1.0)
+    reqs = [Request(p, new, False, torch.Generator().manual_seed(i)) for i, p in enumerate(prompts)]
+    sampler.pending += reqs
+    t0 = time.perf_counter()
+    sampler.step()  # each step ends in .tolist() of its samples: the device has finished it
+    t1 = time.perf_counter()
+    while sampler.active and time.perf_counter() - t0 < budget_s:
+        sampler.step()
+    return t1 - t0, time.perf_counter() - t1, reqs
+
+
+def generate(model, prompts, new: int) -> float:
+    """Seconds of plain transformers `generate` on the same batch, sampling from the full distribution."""
+    ids = torch.tensor(prompts, device=model.device)
+    t0 = time.perf_counter()
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                   do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    sync(model.device)
+    return time.perf_counter() - t0
+
+
+def episodes(reqs: list[Request], prompts) -> list[Episode]:
+    """The samples as the engine's episodes, groups of GROUP; half of each group rewarded, so all have an advantage."""
+    return [Episode(seed=i, group=i // GROUP, token_ids=p + r.ids, is_action=[False] * len(p) + [True] * len(r.ids),
+                    logprobs=[0.0] * len(p) + r.logprobs, versions=[-1] * len(p) + r.versions, reward=float(i % 2),
+                    info={"success": False, "entropy": 0.0, "tool_calls": 0, "turns": 1})
+            for i, (r, p) in enumerate(zip(reqs, prompts))]
+
+
+@torch.no_grad()
+def mismatch(model, eps: list[Episode], device, chunk: int) -> tuple[float, float]:
+    """The update's mismatch_kl (k3) and mismatch_abs over all sampled tokens: the trainer's log-probs (fp32 weights,
+    bf16 autocast, as train_step computes them) against those the bf16 sampler recorded."""
+    kl = gap = tokens = 0.0
+    for i in range(0, len(eps), chunk):
+        batch = to_device(collate(eps[i:i + chunk], pad_id=0), device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logp = token_logprobs(model, batch, 1.0)
+        mask = batch["action_mask"]
+        kl += float(torch.where(mask, kl_penalty(batch["behav_logp"], logp, "k3"), 0.0).sum())
+        gap += float(torch.where(mask, (logp - batch["behav_logp"]).abs(), 0.0).sum())
+        tokens += float(mask.sum())
+    return kl / tokens, gap / tokens
+
+
+def check_trainer(args, s):
+    device, sc, model = torch.device(args.device), args.scale, s["model"]
+    groups = [s["episodes"][i:i + GROUP] for i in range(0, len(s["episodes"]), GROUP)]
+    cfg = RunConfig.model_validate({"env": "max_digit", "model": {"dtype": "bfloat16"},
+                                    "loop": {"groups_per_step": len(groups), "group_size": GROUP}})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    published = {k: v.detach().clone() for k, v in model.state_dict().items()}  # reloaded only if the breaker trips
+    s["groups"], s["cfg"], s["published"] = groups, cfg, published
+    s["update"] = functools.partial(train_step, model, optimizer, groups, cfg, breaker=Breaker(cfg.breaker),
+                                    published=published, pad_id=0)
+    lengths = [len(e.token_ids) for g in groups for e in g]
+    flops = 6 * s["params"] * sum(lengths) + 6 * sc["layers"] * sc["hidden"] * sum(n * n for n in lengths)
+    rows, s["need_gb"] = [], {}
+    for micro in (None, sc["micro"]):
+        s["update"](step=0, micro_batch_size=micro)  # warm-up (AdamW's state appears here)
+        sync(device)
+        base = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0
+        peak_gb(device)
+        t0 = time.perf_counter()
+        metrics = s["update"](step=1, micro_batch_size=micro)[0]
+        sync(device)
+        seconds, peak = time.perf_counter() - t0, peak_gb(device)
+        s["need_gb"][micro] = peak - base  # what the step itself takes beyond what was there before it
+        rows.append({"micro_batch_size": micro, "tokens_per_s": sum(lengths) / seconds, "step_seconds": seconds,
+                     "mfu": flops / seconds / (args.peak_tflops * 1e12) if args.peak_tflops else None,
+                     "peak_gb": peak, "grad_norm": metrics["grad_norm"], "mismatch_kl": metrics["mismatch_kl"]})
+    return {"ok": all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in rows), "episodes": len(lengths),
+            "tokens": sum(lengths), "flops_per_step": flops, "runs": rows}
+
+
+def check_two_jobs(args, s):
+    sc = args.scale
+
+    async def sample(with_trainer: bool) -> tuple[float, list[float]]:
+        sampler, stop, steps = Sampler(s["sampler_model"], stop_ids=[], pad_id=0, temperature=1.0), [], []
+        runner = asyncio.create_task(sampler.run())
+
+        async def trainer():  # the engine's trainer coroutine: each update in a worker thread
+            while not stop:
+                t0 = time.perf_counter()
+                await asyncio.to_thread(s["update"], step=len(steps), micro_batch_size=sc["micro"])
+                steps.append(time.perf_counter() - t0)
+
+        job = asyncio.create_task(trainer()) if with_trainer else None
+        t0 = time.perf_counter()
+        reqs = [asyncio.create_task(sampler.generate(p, sc["new"], seed=i)) for i, p in enumerate(s["prompts"])]
+        await asyncio.wait(reqs, timeout=sc["budget_s"])  # all done, or the tokens sampled so far
+        seconds, tokens = time.perf_counter() - t0, sampler.stats["tokens"]
+        stop.append(True)
+        for task in [*reqs, runner]:
+            task.cancel()
+        if job:
+            await job
+        return tokens / seconds, steps
+
+    alone, _ = asyncio.run(sample(False))
+    shared, steps = asyncio.run(sample(True))
+    tokens = sum(len(e.token_ids) for g in s["groups"] for e in g)
+    return {"ok": alone > 0 and shared > 0 and len(steps) > 0, "requests": len(s["prompts"]),
+            "sampler_tokens_per_s_alone": alone, "sampler_tokens_per_s_with_trainer": shared,
+            "slowdown": alone / shared, "trainer_steps_meanwhile": len(steps),
+            "trainer_tokens_per_s_meanwhile": tokens / statistics.mean(steps)}
+
+
+def check_oom(args, s):
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        return {"ok": None, "skipped": "needs CUDA: torch.cuda.set_per_process_memory_fraction caps GPU memory only, "
+                                       "and a CPU has no allocator limit to run into"}
+    model, groups, cfg, published, need = s["model"], s["groups"], s["cfg"], s["published"], s["need_gb"]
+    model.load_state_dict(published)
+    torch.cuda.empty_cache()
+    # Room for the step between what a micro-batch needs and what the whole batch needs: the whole batch can't fit.
+    cap = torch.cuda.memory_allocated(device) / 1e9 + (need[None] + need[args.scale["micro"]]) / 2
+    total = torch.cuda.get_device_properties(device).total_memory / 1e9
+    common = dict(cfg=cfg, step=0, published=published, pad_id=0)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    try:
+        sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+        (_, split, _, _), fitted = train_step_fitting(model, sgd, groups, breaker=Breaker(cfg.breaker),
+                                                      micro_batch_size=None, **common)
+        model.load_state_dict(published)
+        _, direct, _, _ = train_step(model, sgd, groups, breaker=Breaker(cfg.breaker), micro_batch_size=fitted,
+                                     **common)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        model.load_state_dict(published)
+    diff = max(float((split[k] - direct[k]).abs().max()) for k in split)
+    update = max(float((direct[k] - published[k]).abs().max()) for k in direct)
+    return {"ok": fitted is not None and fitted < len(s["episodes"]) and diff <= 1e-2 * update,
+            "cap_gb": cap, "whole_batch_needs_gb": need[None], "micro_batch_needs_gb": need[args.scale["micro"]],
+            "episodes": len(s["episodes"]), "micro_batch_that_fit": fitted, "max_abs_diff": diff,
+            "max_abs_update": update}
+
+
+def watch_panel(readings: list, stop: threading.Event):
+    """The machine panel's numbers (app/pages.py machine_gpus) every 0.5 s until `stop`; an error string if none."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception as e:  # no driver (a CPU machine), or no nvidia-ml-py
+        readings.append(f"{type(e).__name__}: {e}")
+        return
+    try:
+        readings.append({"driver": pynvml.nvmlSystemGetDriverVersion()})
+        while not stop.wait(0.5):
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                readings.append({"index": i, "name": pynvml.nvmlDeviceGetName(handle),
+                                 "util": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+                                 "used_gb": memory.used / 1e9, "total_gb": memory.total / 1e9})
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def check_machine_panel(args, s):
+    readings = s["panel"]
+    if readings and isinstance(readings[0], str):
+        if torch.device(args.device).type == "cuda":
+            return {"ok": False, "error": f"nvidia-ml-py read nothing on a GPU run: {readings[0]}"}
+        return {"ok": None, "skipped": f"unavailable: no NVIDIA driver on this machine ({readings[0]})"}
+    gpus = [r for r in readings if "util" in r]
+    return {"ok": len(gpus) > 0, "driver": readings[0]["driver"] if readings else None, "readings": len(gpus),
+            "gpus": sorted({r["name"] for r in gpus}), "util_mean": statistics.mean(r["util"] for r in gpus),
+            "util_max": max(r["util"] for r in gpus), "used_gb_max": max(r["used_gb"] for r in gpus),
+            "total_gb": gpus[0]["total_gb"]}
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gb(device) -> float:
+    """Peak memory: on a GPU, torch's allocated peak since the last call (then reset); on a CPU, the process's max RSS."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux; never reset
+
+
+CHECKS = {"setup": check_setup, "learn": check_learn, "sampler": check_sampler, "trainer": check_trainer,
+          "two_jobs": check_two_jobs, "oom": check_oom, "machine_panel": check_machine_panel}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--tiny", action="store_true", help="toy scale: a small model, few tokens and steps (CPU tests)")
+    p.add_argument("--out", default="gpu_proof.jsonl", help="where the JSON lines go (also printed)")
+    p.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak for MFU (default: 989, an "
+                   "H200's, on CUDA; none on a CPU)")
+    p.add_argument("--seed", type=int, default=0, help="learn: the run's seed")
+    p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS),
+                   help="run only these (trainer, two_jobs and oom use what sampler made)")
+    args = p.parse_args()
+    args.scale = TINY if args.tiny else FULL
+    torch.set_num_threads(RunConfig(env="max_digit").loop.threads)  # as in a run (Training sets it)
+    if args.peak_tflops is None and torch.device(args.device).type == "cuda":
+        args.peak_tflops = 989.0
+    s, stop = {"panel": []}, threading.Event()
+    panel = threading.Thread(target=watch_panel, args=(s["panel"], stop), daemon=True)
+    panel.start()
+    failed = False
+    with open(args.out, "w") as out:
+        for name in args.checks:
+            t0 = time.perf_counter()
+            if name == "machine_panel":  # the readings so far
+                stop.set()
+                panel.join()
+            try:
+                result = CHECKS[name](args, s)
+            except Exception as e:  # the next check still runs
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            line = json.dumps({"check": name, **result, "seconds": round(time.perf_counter() - t0, 3)})
+            print(line, flush=True)
+            out.write(line + "\n")
+            out.flush()
+            failed |= result["ok"] is False
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
