@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,5 +172,34 @@ def test_stop_of_a_two_rank_run_checkpoints_both_ranks_at_one_step_then_resumes(
         assert final["status"] == "completed", final["last_error"]
         assert api.attempts(run)[1]["start_step"] == stopped["step"]
         assert_each_step_once(api, run, 40)
+    finally:
+        studio.close()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_attempt_within_the_collective_timeout_and_the_run_resumes(tmp_path):
+    """A 2-rank daemon run with dist.timeout_s 10; rank 1 is frozen (SIGSTOP) mid-run. Rank 0's heartbeat goes on,
+    but its next collective gives up after 10 s: the attempt ends with rank 0's timeout, and the daemon restarts
+    the run from its checkpoint; it completes with every step recorded once. By default the run got one GPU per
+    rank (only ids here: the ranks see no CUDA and train on the CPU)."""
+    studio = Studio(tmp_path / "home")
+    try:
+        run = studio.api.create_run(daemon_config(16, dist={"nproc": 2, "timeout_s": 10}))["id"]
+        studio.start_daemon("--gpus", "0,1,2")
+        studio.wait_step(run, 7, timeout=START + 120)
+        pid = wait_until(lambda: rank_pid(studio.home, 1), 30, message="rank 1")
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        final = studio.api.wait_run(run, timeout=300)
+        attempts = studio.api.attempts(run)
+        print("attempts:", [(a["number"], a["cause"][:300], a["end_step"], a["ended_at"] - frozen_at)
+                            for a in attempts])
+        assert final["status"] == "completed", final["last_error"]
+        # torchrun ends the frozen rank (SIGTERM waits while it is stopped, then SIGKILL): both are named
+        assert len(attempts) == 2 and "rank 0 " in attempts[0]["cause"]
+        assert "Timed out waiting 10000ms" in attempts[0]["cause"]
+        assert attempts[0]["ended_at"] - frozen_at < 10 + 45  # the timeout, then torchrun ends the frozen rank
+        assert final["gpus"] == "0,1"
+        assert_each_step_once(studio.api, run, 16)
     finally:
         studio.close()
