@@ -42,9 +42,9 @@ def mark(busy: bool = True):
 
 
 def stalled(cfg) -> bool:
-    """More than one process, and the trainer has been inside a step without progress for over the collective
-    timeout (and a minute): its group is stuck though no collective gave up. Then the heartbeat stops."""
-    return world() > 1 and _busy_since is not None and time.monotonic() - _busy_since > cfg.timeout_s + 60
+    """More than one process, and the trainer has been inside a step without progress for twice the collective
+    timeout: its group is stuck though no collective gave up (each would have by then). Then the heartbeat stops."""
+    return world() > 1 and _busy_since is not None and time.monotonic() - _busy_since > 2 * cfg.timeout_s
 
 
 def close():

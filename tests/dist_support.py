@@ -1,7 +1,9 @@
 """One update on a fixed global batch, in one process or as a rank of
 `torchrun --nproc-per-node 2 tests/dist_support.py OUT STRATEGY [spike] [micro] [oom] [reinforce]`, which writes each
-rank's result to OUT/rank-R.pt for tests/test_dist.py (with a reduction of metrics only some ranks report)."""
+rank's result to OUT/rank-R.pt for tests/test_dist.py (with a reduction of metrics only some ranks report, and
+the stall watch)."""
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -56,5 +58,13 @@ if __name__ == "__main__":
     result["reduced"] = dist.reduce_metrics({"reward_mean": float(dist.rank()), "tool_errors": 2.0,
                                              **({"accuracy_strict": 0.25, "agent_errors": 3.0} if dist.rank() else
                                                 {"a_first": 7.0})})
+    # Inside a step, the trainer stalls after twice the collective timeout without progress; between steps, never
+    quick = cfg.dist.model_copy(update={"timeout_s": 0.05})
+    dist.mark()
+    result["stalled"] = [dist.stalled(quick)]
+    time.sleep(0.2)
+    result["stalled"].append(dist.stalled(quick))
+    dist.mark(False)
+    result["stalled"].append(dist.stalled(quick))
     torch.save(result, Path(sys.argv[1]) / f"rank-{dist.rank()}.pt")
     dist.close()

@@ -50,6 +50,7 @@ def test_one_update_on_two_ranks_gives_the_weights_of_one_process(tmp_path, stra
         assert_same_update(got, one)
         assert got["reduced"] == {"reward_mean": 0.5, "tool_errors": 4.0, "accuracy_strict": 0.25,
                                   "agent_errors": 3.0, "a_first": 7.0}
+        assert got["stalled"] == [False, True, False]  # the heartbeat's watch on a step (dist.stalled)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
