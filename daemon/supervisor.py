@@ -309,9 +309,9 @@ class Supervisor:
                         self.start(s, run)
 
     def gpus_needed(self, run: Run) -> int:
-        """The run's `resources.gpus`; by default 1 where this daemon has GPUs, else 0."""
+        """The run's `resources.gpus`; by default one per rank (`dist.nproc`) where this daemon has GPUs, else 0."""
         asked = (run.config.get("resources") or {}).get("gpus")
-        return (1 if self.gpus else 0) if asked is None else asked
+        return ((run.config.get("dist") or {}).get("nproc", 1) if self.gpus else 0) if asked is None else asked
 
     def free_gpus(self) -> list[str]:
         held = {g for w in self.workers.values() for g in w.gpus}

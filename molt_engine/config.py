@@ -158,11 +158,12 @@ class DrillsConfig(_Strict):
     hang_seconds: float = Field(3600.0, gt=0)
     env_error_rate: float = Field(0.0, ge=0, le=1, description="share of env steps that raise")
     oom_at: list[int] = Field(default_factory=list, description="steps whose update raises torch.OutOfMemoryError once")
+    oom_rank: int | None = Field(None, ge=0, description="more than one process: the rank that runs out (None = all)")
 
 
 class ResourcesConfig(_Strict):
-    gpus: int | None = Field(None, ge=0, description="GPUs the daemon gives the run's worker; None = 1 where the "
-                             "daemon has GPUs, else 0")
+    gpus: int | None = Field(None, ge=0, description="GPUs the daemon gives the run's worker; None = dist.nproc "
+                             "where the daemon has GPUs (one per rank), else 0")
 
 
 class DistConfig(_Strict):
@@ -172,6 +173,8 @@ class DistConfig(_Strict):
     strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="ddp: every rank holds the whole model; fsdp2: "
                                               "parameters, gradients and optimizer state sharded over the ranks")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with GPUs, else gloo")
+    timeout_s: float = Field(600.0, gt=0, description="seconds a rank waits in a collective for the others before "
+                             "the attempt ends (the daemon restarts it from the checkpoint)")
 
 
 class RunConfig(_Strict):

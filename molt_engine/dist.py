@@ -4,6 +4,8 @@ import ctypes
 import math
 import os
 import signal
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as td
@@ -11,8 +13,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 FULL = StateDictOptions(full_state_dict=True)
-SUMMED = {"samples_per_s", "tokens_per_s", "env_errors", "stale_dropped", "groups_filtered"}  # else the mean
+SUMMED = {"samples_per_s", "tokens_per_s", "env_errors", "agent_errors", "tool_errors", "template_prefix_breaks",
+          "stale_dropped", "groups_filtered"}  # else the mean
 LARGEST = {"staleness_max", "grad_norm"}
+_busy_since: float | None = None  # when this rank's trainer last made progress inside a step (None: between steps)
 
 
 def init(cfg):
@@ -21,8 +25,26 @@ def init(cfg):
         return
     # A rank never outlives its launcher: when the daemon SIGKILLs the launcher, every rank goes with it.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    backend = cfg.backend if cfg.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
-    td.init_process_group(backend)
+    nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local < torch.cuda.device_count():  # this rank's GPU, for NCCL and torch.cuda's calls (see models.device_of)
+        torch.cuda.set_device(local)
+    # With NCCL, the model's collectives run on the GPUs and the loop's small reductions (CPU tensors, objects) on
+    # gloo. Every collective gives up after timeout_s (gloo raises; NCCL's watchdog ends the process): a stuck
+    # group ends the attempt, and the daemon restarts it.
+    td.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+
+
+def mark(busy: bool = True):
+    """The trainer makes progress inside a step now (a micro-batch done), or it is done with the step (busy False)."""
+    global _busy_since
+    _busy_since = time.monotonic() if busy else None
+
+
+def stalled(cfg) -> bool:
+    """More than one process, and the trainer has been inside a step without progress for twice the collective
+    timeout: its group is stuck though no collective gave up (each would have by then). Then the heartbeat stops."""
+    return world() > 1 and _busy_since is not None and time.monotonic() - _busy_since > 2 * cfg.timeout_s
 
 
 def close():
@@ -121,12 +143,25 @@ def clip_grad_norm(model, max_norm: float) -> float:
     return float(norm)
 
 
-def all_sum(values: list[float]) -> list[float]:
+def all_sum(values: list[float], op=td.ReduceOp.SUM) -> list[float]:
     if world() == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64)
-    td.all_reduce(t)
+    td.all_reduce(t, op)
     return t.tolist()
+
+
+def all_max(values: list[float]) -> list[float]:
+    return all_sum(values, td.ReduceOp.MAX)
+
+
+def all_gather(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order."""
+    if world() == 1:
+        return [value]
+    values = [None] * world()
+    td.all_gather_object(values, value)
+    return values
 
 
 def any_rank(flag: bool) -> bool:
@@ -137,12 +172,12 @@ def reduce_metrics(metrics: dict) -> dict:
     """A step's metrics over all ranks: rates and counts summed, maxima the largest, the rest the mean."""
     if world() == 1:
         return metrics
-    keys = sorted(metrics)  # every rank reports the same names
-    rows = [torch.zeros(len(keys), dtype=torch.float64) for _ in range(world())]
-    td.all_gather(rows, torch.tensor([metrics[k] for k in keys], dtype=torch.float64))
-    table = torch.stack(rows)
-    return {k: float(table[:, i].sum() if k in SUMMED else table[:, i].max() if k in LARGEST else table[:, i].mean())
-            for i, k in enumerate(keys)}
+    ranks = all_gather(metrics)  # a name may be missing on a rank (an env metric none of its episodes reported)
+    reduced = {}
+    for k in sorted({k for m in ranks for k in m}):
+        values = torch.tensor([m[k] for m in ranks if k in m], dtype=torch.float64)
+        reduced[k] = float(values.sum() if k in SUMMED else values.max() if k in LARGEST else values.mean())
+    return reduced
 
 
 def gather_ranks(state: dict) -> dict:

@@ -38,7 +38,6 @@ def spike_gradient(drills, step: int, model):
         g.add_((n * scale).to(g.device))
 
 
-def out_of_memory(drills, step: int):
-    """Raised before the first try of a step's update; the retry runs it with smaller micro-batches."""
-    if step in drills.oom_at:
-        raise torch.OutOfMemoryError(f"drills.oom_at: out of memory injected at step {step}")
+def out_of_memory(drills, step: int, rank: int) -> bool:
+    """Whether this rank runs out of memory on the first try of the step's update (oom_rank: that rank only)."""
+    return step in drills.oom_at and drills.oom_rank in (None, rank)

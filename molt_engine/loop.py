@@ -27,7 +27,7 @@ from .rollout import EnvError, PromptTooLong, Rollout
 from .sampler import Sampler
 from .samples import record, training_samples
 from .sink import NullSink, Sink
-from .update import batch_metrics, eval_metrics, memory_metrics, train_step_fitting
+from .update import batch_metrics, eval_metrics, memory_metrics, one_per_episode, train_step_fitting
 
 
 class EnvFailure(RuntimeError):
@@ -177,10 +177,11 @@ class Training:
             self.changed.notify_all()
 
     async def heartbeat(self):
-        # From the event loop itself: if anything blocks the loop (a hang), the heartbeats stop.
+        """From the event loop itself, so a blocked loop stops it; so does a stuck group (dist.stalled)."""
         beat = getattr(self.sink, "heartbeat", None)  # optional: a terminal needs no liveness signal
         while beat:
-            beat()
+            if not dist.stalled(self.cfg.dist):
+                beat()
             await asyncio.sleep(1.0)
 
     def may_start(self) -> bool:
@@ -236,12 +237,10 @@ class Training:
             raise EnvFailure(f"{sum(window)} of the last {window.maxlen} episodes failed in env "
                              f"{self.cfg.env!r}; last error:\n{self.last_env_traceback}")
         need = 2 if self.cfg.algo.estimator in GROUP_ESTIMATORS else 1
-        return episodes if sum(e.opens_episode for e in episodes) >= need else None
+        return episodes if len(one_per_episode(episodes)) >= need else None
 
     async def trainer(self):
-        loop = self.cfg.loop
-        last = time.perf_counter()
-        sampler_last = dict(self.sampler.stats)
+        loop, last, sampler_last = self.cfg.loop, time.perf_counter(), dict(self.sampler.stats)
         # More than one process: a rank's stop request waits for the ranks to agree (below), so all stop together
         while self.step < loop.steps and not (self.stopping and dist.world() == 1):
             step = self.step
@@ -254,6 +253,7 @@ class Training:
                 break
             groups, waited = batch
             micro = self.micro_batch_size
+            dist.mark()  # in the step: the update marks each micro-batch, the heartbeat watches (dist.stalled)
             metrics, weights, samples = await asyncio.to_thread(self.update, groups)
             self.step += 1
             if self.micro_batch_size != micro:
@@ -266,8 +266,8 @@ class Training:
             metrics["version"] = float(version)
             now = time.perf_counter()
             metrics.update(self.throughput(groups, now - last, waited, sampler_last))
-            if dist.world() > 1:
-                metrics = await asyncio.to_thread(dist.reduce_metrics, metrics)
+            metrics = await asyncio.to_thread(dist.reduce_metrics, metrics)
+            dist.mark(False)
             last, sampler_last = now, dict(self.sampler.stats)
             for kind, message, data in self.alerts.check(step, metrics, sum(len(g) for g in groups)):
                 self.sink.alert(kind, message, **data)
@@ -315,8 +315,7 @@ class Training:
     async def next_batch(self) -> tuple[list[list[Episode]], float] | None:
         """Take groups_per_step groups, dropping (and counting) those that are too stale or carry no signal.
         None if a stop was requested meanwhile (the groups taken so far go back to the buffer)."""
-        cfg, t0 = self.cfg, time.perf_counter()
-        batch = []
+        cfg, t0, batch = self.cfg, time.perf_counter(), []
         while len(batch) < cfg.loop.groups_per_step:
             async with self.changed:
                 await self.changed.wait_for(lambda: self.buffer or self.stopping)

@@ -82,13 +82,20 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def device_of(model_cfg) -> torch.device:
-    """The device `model.device` names; auto = the first visible GPU, else the CPU."""
+    """The device `model.device` names; auto = a GPU if torch sees one, else the CPU. A GPU without an index is the
+    first visible one, or under torchrun the rank's own: cuda:LOCAL_RANK (as dist.init sets it)."""
     name = model_cfg.device
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"model.device is {name!r} but torch sees no CUDA device "
                            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    if name == "cuda" and "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"rank {local} of this node needs GPU {local} but torch sees "
+                               f"{torch.cuda.device_count()}: give the run one GPU per rank (resources.gpus)")
+        name = f"cuda:{local}"
     return torch.device(name)
 
 

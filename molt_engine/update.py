@@ -16,24 +16,30 @@ from .models import routers, routing_stats
 def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, published: dict,
                        micro_batch_size: int | None, **kwargs) -> tuple[tuple, int | None]:
     """train_step, started over from `published` with micro-batches half the size (down to one episode) whenever it
-    runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit."""
+    runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit.
+    More than one process: the ranks agree on each try's outcome, so all of them retry together. (A rank that runs
+    out in the middle of the update leaves the others in a collective: the group's timeout ends the attempt.)"""
     first_try = True
     while True:
+        results, error = None, None
         try:
-            if first_try:
-                drills.out_of_memory(cfg.drills, step)
-            return train_step(model, optimizer, groups, cfg, step=step, published=published,
-                              micro_batch_size=micro_batch_size, **kwargs), micro_batch_size
-        except torch.OutOfMemoryError:
-            largest = micro_batch_size or sum(len(g) for g in groups)
-            if largest == 1:
-                raise
-            # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
-            optimizer.zero_grad(set_to_none=True)
-            model.load_state_dict(published)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            micro_batch_size, first_try = max(1, largest // 2), False
+            if first_try and dist.any_rank(drills.out_of_memory(cfg.drills, step, dist.rank())):
+                raise torch.OutOfMemoryError(f"drills.oom_at: out of memory injected at step {step}")
+            results = train_step(model, optimizer, groups, cfg, step=step, published=published,
+                                 micro_batch_size=micro_batch_size, **kwargs)
+        except torch.OutOfMemoryError as e:
+            error = e
+        if not dist.any_rank(error is not None):
+            return results, micro_batch_size
+        largest = micro_batch_size or sum(len(g) for g in groups)
+        if largest == 1:
+            raise error or torch.OutOfMemoryError("another rank ran out of memory with micro-batches of 1")
+        # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
+        optimizer.zero_grad(set_to_none=True)
+        dist.load_weights(model, published)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        micro_batch_size, first_try = max(1, largest // 2), False
 
 
 def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, breaker, published: dict,
@@ -54,19 +60,25 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
     # row, and its later rows take its advantage.
     first = torch.tensor([e.opens_episode for e in episodes])
     if algo.estimator in GROUP_ESTIMATORS:
-        adv = torch.cat([advantages(torch.tensor([[e.reward for e in g if e.opens_episode]]), algo.estimator)[0]
+        adv = torch.cat([advantages(torch.tensor([[e.reward for e in one_per_episode(g)]]), algo.estimator)[0]
                          for g in groups])
-    else:  # batch-level baseline: the whole batch is one "group"
-        adv = advantages(torch.tensor([[e.reward for e in episodes if e.opens_episode]]), algo.estimator)[0]
+    else:  # batch-level baseline: the whole batch (every rank's) is one "group"
+        mine = [e.reward for e in one_per_episode(episodes)]
+        ranks = dist.all_gather(mine)
+        start = sum(map(len, ranks[:dist.rank()]))
+        adv = advantages(torch.tensor([sum(ranks, [])]), algo.estimator)[0][start:start + len(mine)]
     adv = adv[first.cumsum(0) - 1]
     # Whole groups per minibatch (a group's prompt then runs once), in prompt order, the same in every epoch.
     bounds = [round(i * len(groups) / algo.minibatches) for i in range(algo.minibatches + 1)]
     starts = [sum(len(g) for g in groups[:b]) for b in bounds]
     parts = [_Minibatch(episodes, adv, range(a, b), algo.kl_coef, pad_id, micro_batch_size, device)
              for a, b in zip(starts, starts[1:])]
-    # More than one process: the token mean is over every rank's minibatch (the all-reduce averages the gradients)
-    for part, tokens in zip(parts, dist.all_sum([p.action_tokens for p in parts])):
+    # More than one process: the token mean is over every rank's minibatch (the all-reduce averages the gradients),
+    # and every rank runs as many micro-batches (each backward is a collective): the fewer are padded.
+    for part, tokens, count in zip(parts, dist.all_sum([p.action_tokens for p in parts]),
+                                   dist.all_max([len(p.batches) for p in parts])):
         part.action_tokens = tokens / dist.world()
+        part.pad(int(count))
     with torch.no_grad(), _autocast(cfg, device):  # the proximal log-probs of minibatches after the first
         for part in parts[1:]:                     # before any optimizer step
             part.prox = [_logprobs(model, batch, cfg, stats=False)[0] for batch in part.batches]
@@ -91,11 +103,13 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
                 loss=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, is_level=algo.is_level,
                 is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, kl_coef=algo.kl_coef,
                 ref_logp=ref_logp, kl_estimator=algo.kl_estimator)
-            loss = loss * (int(mask.sum()) / max(part.action_tokens, 1))  # the token mean over the whole minibatch
+            real = k < len(part.keeps)  # else a padding micro-batch: it adds nothing
+            loss = loss * (real * int(mask.sum()) / max(part.action_tokens, 1))  # the token mean over the minibatch
             if first and k == 0:
                 loss = drills.poison_loss(cfg.drills, step, loss)
-            (loss + coef * aux / len(part.batches)).backward()
-            weight = int(mask.sum()) / max(part.kept_tokens, 1)  # metrics: token means over the minibatch
+            (loss + coef * real * aux / len(part.keeps)).backward()
+            dist.mark()
+            weight = real * int(mask.sum()) / max(part.kept_tokens, 1)  # metrics: token means over the minibatch
             for key, value in {**stats, **moe_metrics}.items():
                 run[key] = run.get(key, 0.0) + weight * value
             run["policy_loss"] = run.get("policy_loss", 0.0) + loss.item()
@@ -146,6 +160,11 @@ class _Minibatch:
         self.trained = len(keep)
         self.prox: list[torch.Tensor | None] = [None] * len(self.keeps)
 
+    def pad(self, count: int):
+        """Repeat the first micro-batch (weighted 0 in the loss) until there are `count`."""
+        extra = count - len(self.batches)
+        self.batches, self.advs, self.prox = (x + x[:1] * extra for x in (self.batches, self.advs, self.prox))
+
 
 def _autocast(cfg, device):
     """Mixed precision as PyTorch users expect it: fp32 weights and optimizer, forwards in `model.dtype`."""
@@ -185,7 +204,7 @@ def memory_metrics(device: torch.device) -> dict:
 def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
     """What the batch's episodes say, whatever the update did with them: reward, pass rate, lengths, staleness."""
     rows = [e for g in groups for e in g]
-    episodes = [e for e in rows if e.opens_episode]
+    episodes = one_per_episode(rows)
     n, action_tokens = len(episodes), sum(e.n_actions for e in rows)
     rewards = torch.tensor([e.reward for e in episodes])
     staleness = torch.tensor([version - v for e in rows for v, a in zip(e.versions, e.is_action) if a],
@@ -205,12 +224,17 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
 
 def eval_metrics(episodes: list[Episode]) -> dict:
     """An eval's numbers: reward, pass rate, tool-call rate and the env's own metrics, each `eval_`-prefixed."""
-    episodes = [e for e in episodes if e.opens_episode]
+    episodes = one_per_episode(episodes)
     n = len(episodes)
     return {"eval_reward": sum(e.reward for e in episodes) / n,
             "eval_pass_rate": sum(e.info["success"] for e in episodes) / n,
             "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
             **{f"eval_{k}": v for k, v in env_metrics(episodes).items()}}
+
+
+def one_per_episode(rows: list[Episode]) -> list[Episode]:
+    """An agent's episode may train as several rows (segments); its first row stands for it."""
+    return [e for e in rows if e.opens_episode]
 
 
 def env_metrics(episodes: list[Episode]) -> dict:

@@ -1,10 +1,12 @@
-"""More than one process on CPU (gloo, 2 torchrun ranks): the data-parallel update equals the single-process one,
-and a gradient spike on one rank makes every rank skip the step."""
+"""More than one process on CPU (gloo, 2 torchrun ranks): the data-parallel update equals the single-process one
+(also with micro-batches of unequal count, an out-of-memory retry on one rank, the batch-level baseline), a gradient
+spike on one rank makes every rank skip the step, metrics reduce by name, and a stuck group ends its attempt."""
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,18 +30,54 @@ def two_ranks(tmp_path, strategy: str, *extra) -> list[dict]:
     return [torch.load(tmp_path / f"rank-{r}.pt", weights_only=False) for r in (0, 1)]
 
 
+def assert_same_update(got: dict, one: dict):
+    """A rank published the weights of one process within 1e-5 (and they moved), with its gradient norm."""
+    single, start = one["weights"], one["start"]
+    diff = max(float((got["weights"][k] - single[k]).abs().max()) for k in single)
+    moved = max(float((got["weights"][k] - start[k]).abs().max()) for k in single)
+    assert diff < 1e-5 and moved > 100 * diff, (diff, moved)
+    assert got["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+    assert all(torch.equal(got["model"][k], got["weights"][k]) for k in single)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_one_update_on_two_ranks_gives_the_weights_of_one_process(tmp_path, strategy):
     """Each rank trains 2 of the 4 groups (with different token counts: the token mean must be the global one);
-    the published weights equal one process training all 4 within 1e-5."""
+    the published weights equal one process training all 4 within 1e-5. Metrics reduce by name, also those only
+    one rank reported: counts summed, the rest averaged over the ranks that have them."""
     one = step(config(strategy))
-    single, start = one["weights"], one["start"]
     for got in two_ranks(tmp_path, strategy):
-        diff = max(float((got["weights"][k] - single[k]).abs().max()) for k in single)
-        moved = max(float((got["weights"][k] - start[k]).abs().max()) for k in single)
-        assert diff < 1e-5 and moved > 100 * diff, (diff, moved)
-        assert got["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
-        assert all(torch.equal(got["model"][k], got["weights"][k]) for k in single)
+        assert_same_update(got, one)
+        assert got["reduced"] == {"reward_mean": 0.5, "tool_errors": 4.0, "accuracy_strict": 0.25,
+                                  "agent_errors": 3.0, "a_first": 7.0}
+        assert got["stalled"] == [False, True, False]  # the heartbeat's watch on a step (dist.stalled)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_micro_batches_of_unequal_count_over_the_ranks_give_the_weights_of_one_process(tmp_path, strategy):
+    """Micro-batches of 2 in 2 minibatches; rank 1 leaves two episodes of advantage 0 out of its first minibatch,
+    so it has one micro-batch there where rank 0 has two: it pads, both complete, and equal one process."""
+    one = step(config(strategy, "micro"))
+    for got in two_ranks(tmp_path, strategy, "micro"):
+        assert_same_update(got, one)
+
+
+def test_an_out_of_memory_on_one_rank_is_retried_by_both(tmp_path):
+    """drills.oom_rank 1: only rank 1 runs out; both ranks retry with micro-batches half their 8 episodes and
+    publish what one process does without running out."""
+    one = step(config("ddp"))
+    ranks = two_ranks(tmp_path, "ddp", "oom")
+    assert [got["micro_batch_size"] for got in ranks] == [4, 4]
+    for got in ranks:
+        assert_same_update(got, one)
+
+
+def test_the_batch_baseline_is_over_every_ranks_episodes(tmp_path):
+    """reinforce_baseline normalises over the whole batch: the groups of the two ranks differ in reward scale, so
+    per-rank normalisation would train differently from one process."""
+    one = step(config("ddp", "reinforce"))
+    for got in two_ranks(tmp_path, "ddp", "reinforce"):
+        assert_same_update(got, one)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -135,5 +173,34 @@ def test_stop_of_a_two_rank_run_checkpoints_both_ranks_at_one_step_then_resumes(
         assert final["status"] == "completed", final["last_error"]
         assert api.attempts(run)[1]["start_step"] == stopped["step"]
         assert_each_step_once(api, run, 40)
+    finally:
+        studio.close()
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_attempt_within_the_collective_timeout_and_the_run_resumes(tmp_path):
+    """A 2-rank daemon run with dist.timeout_s 10; rank 1 is frozen (SIGSTOP) mid-run. Rank 0's heartbeat goes on,
+    but its next collective gives up after 10 s: the attempt ends with rank 0's timeout, and the daemon restarts
+    the run from its checkpoint; it completes with every step recorded once. By default the run got one GPU per
+    rank (only ids here: the ranks see no CUDA and train on the CPU)."""
+    studio = Studio(tmp_path / "home")
+    try:
+        run = studio.api.create_run(daemon_config(16, dist={"nproc": 2, "timeout_s": 10}))["id"]
+        studio.start_daemon("--gpus", "0,1,2")
+        studio.wait_step(run, 7, timeout=START + 120)
+        pid = wait_until(lambda: rank_pid(studio.home, 1), 30, message="rank 1")
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.time()
+        final = studio.api.wait_run(run, timeout=300)
+        attempts = studio.api.attempts(run)
+        print("attempts:", [(a["number"], a["cause"][:300], a["end_step"], a["ended_at"] - frozen_at)
+                            for a in attempts])
+        assert final["status"] == "completed", final["last_error"]
+        # torchrun ends the frozen rank (SIGTERM waits while it is stopped, then SIGKILL): both are named
+        assert len(attempts) == 2 and "rank 0 " in attempts[0]["cause"]
+        assert "Timed out waiting 10000ms" in attempts[0]["cause"]
+        assert attempts[0]["ended_at"] - frozen_at < 10 + 45  # the timeout, then torchrun ends the frozen rank
+        assert final["gpus"] == "0,1"
+        assert_each_step_once(studio.api, run, 16)
     finally:
         studio.close()

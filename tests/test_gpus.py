@@ -12,7 +12,9 @@ from transformers import AutoModelForCausalLM
 from conftest import wait_until
 from molt_engine import RunConfig, train
 from molt_engine.config import ValidationError, config_errors
-from molt_engine.models import char_tokenizer, load_policy
+from daemon.models import Run
+from daemon.supervisor import Supervisor
+from molt_engine.models import char_tokenizer, device_of, load_policy
 from molt_engine.sampler import Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,6 +30,29 @@ def test_device_and_dtype_are_validated_and_a_missing_gpu_is_named():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="model.device is 'cuda:1' but torch sees no CUDA device"):
             train(config(model={"device": "cuda:1"}, loop={"steps": 1}))
+
+
+def test_each_rank_of_a_cuda_run_asks_for_its_own_gpu(monkeypatch):
+    """Under torchrun (LOCAL_RANK), `auto` and `cuda` mean the rank's own GPU; too few GPUs for the ranks is named."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = RunConfig.model_validate(config()).model
+    assert device_of(model) == torch.device("cuda")  # not launched by torchrun: the first visible GPU
+    for rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        for name in ("auto", "cuda"):
+            assert device_of(model.model_copy(update={"device": name})) == torch.device(f"cuda:{rank}")
+    assert device_of(model.model_copy(update={"device": "cuda:0"})) == torch.device("cuda:0")  # as asked
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(RuntimeError, match="rank 2 of this node needs GPU 2 but torch sees 2"):
+        device_of(model)
+
+
+def test_a_run_of_several_ranks_asks_for_one_gpu_per_rank_by_default(tmp_path):
+    sup = Supervisor(tmp_path, gpus=["0", "1", "2"])
+    needed = lambda **cfg: sup.gpus_needed(Run(config={"env": "max_digit", **cfg}))  # noqa: E731
+    assert (needed(), needed(dist={"nproc": 2}), needed(dist={"nproc": 2}, resources={"gpus": 1})) == (1, 2, 1)
+    assert Supervisor(tmp_path, gpus=[]).gpus_needed(Run(config={"env": "max_digit", "dist": {"nproc": 2}})) == 0
 
 
 def test_bf16_shows_its_precision_gap_and_its_checkpoint_resumes_in_fp32_and_loads_with_transformers(tmp_path):
