@@ -2,6 +2,7 @@
 import asyncio
 import copy
 import dataclasses
+import functools
 import gc
 import math
 import random
@@ -23,15 +24,11 @@ from .config import RunConfig
 from .envs import EVAL_SEEDS
 from .episode import Episode
 from .models import load_policy, routers
-from .rollout import EnvError, PromptTooLong, Rollout
+from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
 from .sampler import Sampler
 from .samples import record, training_samples
 from .sink import NullSink, Sink
 from .update import batch_metrics, eval_metrics, memory_metrics, one_per_episode, train_step_fitting
-
-
-class EnvFailure(RuntimeError):
-    """Most recent episodes failed inside the env: the run stops, carrying the env's traceback."""
 
 
 class _Finished(Exception):
@@ -77,19 +74,17 @@ class Training:
         self.in_flight: set[int] = set()
         self.dropped_groups = 0                  # groups started but never trained: they free admission
         self.buffer: list[list[Episode]] = []    # finished groups, not yet trained
-        self.breaker = Breaker(cfg.breaker)
-        self.alerts = Alerts(cfg.alerts)
+        self.breaker, self.alerts = Breaker(cfg.breaker), Alerts(cfg.alerts)
         self.stopping = False
         self.best: tuple[float, int] | None = None  # (eval reward, step) of the best eval so far
         self.saved_at: int | None = None         # step of the newest checkpoint written or restored
         self.ckpt_dir = self.out_dir / "checkpoints" if self.out_dir else None
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
-        self.recent_env_errors = deque(maxlen=cfg.loop.env_error_window)
-        self.last_env_traceback = ""
+        self.recent_env_errors, self.last_env_traceback = deque(maxlen=cfg.loop.env_error_window), ""
         self.errors = "agent_errors" if self.rollout.server else "env_errors"  # the counter a failed episode adds to
         self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
-        self.summary: dict = {}
+        self.summary: dict = {}                  # what train() returns: the last metrics, status, paths
         self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
 
     # ---- the loop -------------------------------------------------------------------------------------------------
@@ -101,9 +96,8 @@ class Training:
                 asyncio.get_running_loop().add_signal_handler(sig, self.request_stop)
         try:
             await self.prepare(resume)
-            # What lives all run (modules, weights, tokenizer: ~500k objects) leaves the collector's books: a full
-            # collection walked all of it (0.26 s holding the GIL, the sampler stalled) whenever requests' garbage
-            # piled up, as an agent's does.
+            # What lives all run (~500k objects) leaves the collector's books: a full collection walked all of it
+            # (0.26 s holding the GIL, the sampler stalled) whenever requests' garbage piled up, as an agent's does.
             gc.freeze()
             loop = self.cfg.loop
             workers = loop.workers or loop.groups_per_step * (loop.max_staleness + 1)
@@ -143,30 +137,24 @@ class Training:
         elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
             self.sink.event("warm_start", f"{self.cfg.env} has no demonstrations: no warm start", steps=0)
         elif self.cfg.warm_start.steps:
-            await self.warm_start()
+            loss = await self.rollout.warm_start(self.model, self.pad_id, lambda: self.stopping)
+            self.sink.event("warm_start", f"{self.cfg.warm_start.steps} supervised steps on demonstrations, final "
+                            f"loss {loss:.3f}", steps=self.cfg.warm_start.steps, loss=loss)
             if self.reference is not None:
                 self.reference.load_state_dict(self.model.state_dict())
         device, dtype = next(self.model.parameters()).device, self.cfg.model.dtype
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
         self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype)
         self.published = dist.full_weights(self.model)
-        # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device.
-        self.sampler = Sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)), self.stops,
-                               self.pad_id, self.cfg.loop.temperature, version=self.version,
-                               kv_budget_gb=self.cfg.loop.kv_budget_gb)
-        # Evals decode on their own copy (one policy per eval while training publishes): more memory, in model.dtype
+        # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device. Evals
+        # decode on a copy of their own, so that one eval is one policy while training publishes (more memory).
+        sampler = functools.partial(Sampler, stop_ids=self.stops, pad_id=self.pad_id, version=self.version,
+                                    temperature=self.cfg.loop.temperature, kv_budget_gb=self.cfg.loop.kv_budget_gb)
+        self.sampler = sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)))
         evals = self.cfg.loop.eval_every and dist.rank() == 0  # more than one process: rank 0 evaluates
-        self.eval_sampler = None if not evals else Sampler(
-            copy.deepcopy(self.sampler.model), self.stops, self.pad_id, self.cfg.loop.temperature, version=self.version,
-            kv_budget_gb=self.cfg.loop.kv_budget_gb)
+        self.eval_sampler = sampler(copy.deepcopy(self.sampler.model)) if evals else None
         # More than one process: the sampler and the reference stay plain copies; only the trained model is wrapped
         self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)
-
-    async def warm_start(self):
-        ws = self.cfg.warm_start
-        loss = await self.rollout.warm_start(self.model, self.pad_id, lambda: self.stopping)
-        self.sink.event("warm_start", f"{ws.steps} supervised steps on demonstrations, final loss {loss:.3f}",
-                        steps=ws.steps, loss=loss)
 
     def request_stop(self):
         self.stopping = True
@@ -266,7 +254,8 @@ class Training:
             metrics["version"] = float(version)
             now = time.perf_counter()
             metrics.update(self.throughput(groups, now - last, waited, sampler_last))
-            metrics = await asyncio.to_thread(dist.reduce_metrics, metrics)
+            if dist.world() > 1:
+                metrics = await asyncio.to_thread(dist.reduce_metrics, metrics)
             dist.mark(False)
             last, sampler_last = now, dict(self.sampler.stats)
             for kind, message, data in self.alerts.check(step, metrics, sum(len(g) for g in groups)):
@@ -372,11 +361,9 @@ class Training:
         """Rates over the wall time since the previous step, and counters since then (reset after reporting)."""
         s = {k: self.sampler.stats[k] - sampler_last[k] for k in self.sampler.stats}
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
-        return {
-            "samples_per_s": sum(len(g) for g in groups) / seconds, "tokens_per_s": s["tokens"] / seconds,
-            "trainer_idle_ratio": waited / seconds, "sampler_idle_ratio": min(1.0, s["idle_s"] / seconds),
-            "sampler_occupancy": s["rows"] / max(s["steps"], 1) / self.capacity, **counts,
-        }
+        return {"samples_per_s": sum(len(g) for g in groups) / seconds, "tokens_per_s": s["tokens"] / seconds,
+                "trainer_idle_ratio": waited / seconds, "sampler_idle_ratio": min(1.0, s["idle_s"] / seconds),
+                "sampler_occupancy": s["rows"] / max(s["steps"], 1) / self.capacity, **counts}
 
     async def evaluate(self, step: int):
         """Greedy episodes on held-out seeds, all of one version (on the eval sampler), never in the buffer or
@@ -412,8 +399,7 @@ class Training:
         self.summary["status"] = "completed"
         if self.out_dir and dist.rank() == 0:
             final = self.out_dir / "final"
-            await asyncio.to_thread(checkpoint.save_policy, final, self.sampler.model, self.processor,
-                                    self.published)
+            await asyncio.to_thread(checkpoint.save_policy, final, self.sampler.model, self.processor, self.published)
             self.sink.event("saved", f"final policy saved to {final}", path=str(final))
             self.summary["final_path"] = str(final)
         raise _Finished

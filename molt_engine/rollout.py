@@ -20,6 +20,10 @@ class EnvError(Exception):
     """An env call raised; this episode is dropped and counted."""
 
 
+class EnvFailure(RuntimeError):
+    """Most recent episodes failed inside the env: the run stops, carrying the env's traceback."""
+
+
 class PromptTooLong(EnvError):
     """No room in the context for the first reply: the episode is dropped and counted as its own kind of failure
     (an episode without actions would pass for a stale one)."""

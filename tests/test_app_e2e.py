@@ -51,6 +51,7 @@ def runs_cli(served, *args, timeout=180):
                           text=True, timeout=timeout, env=child_env(served.home))
 
 
+@pytest.mark.slow  # ~30 s end to end: runs in CI with the slow tests
 def test_cli_create_wait_exits_0_when_completed_and_1_when_failed(served, tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(FAST))

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlmodel import Session
 
@@ -152,6 +153,7 @@ def test_a_run_that_ends_while_no_daemon_watches_is_completed_at_once(tmp_path):
     assert [e["kind"] for e in records.events(run)][-1] == "completed"
 
 
+@pytest.mark.slow  # ~30 s end to end: runs in CI with the slow tests
 def test_daemon_stop_stops_an_orphaned_daemon_its_worker_checkpoints_and_the_next_daemon_resumes(tmp_path):
     with serve(tmp_path, "--keep-daemon") as served:
         run = served.create(config(100000, checkpoint={"every": 0}))["id"]  # no checkpoint but the stop's

@@ -210,6 +210,7 @@ def test_daemon_killed_then_restarted_adopts_or_resumes_and_never_runs_two_worke
     assert studio.max_workers[run] == 1
 
 
+@pytest.mark.slow  # ~30 s end to end: runs in CI with the slow tests
 def test_past_max_restarts_the_run_fails_with_the_last_cause(studio):
     api = studio.api
     crashing = api.create_run(config(20, drills={"crash_at": [3], "crash_repeat": True}), max_restarts=2)["id"]
@@ -231,6 +232,7 @@ def test_past_max_restarts_the_run_fails_with_the_last_cause(studio):
     assert raised["last_error"].startswith("EnvFailure: ")
 
 
+@pytest.mark.slow  # ~30 s end to end: runs in CI with the slow tests
 def test_stop_then_resume_continues_from_the_stop_checkpoint(studio):
     api = studio.api
     run = api.create_run(config(40))["id"]
@@ -256,6 +258,7 @@ def test_stop_then_resume_continues_from_the_stop_checkpoint(studio):
     assert any(e["kind"] == "resumed" and e["step"] == stop_step for e in api.events(run))
 
 
+@pytest.mark.slow  # ~30 s end to end: runs in CI with the slow tests
 def test_three_runs_in_parallel_share_the_database_without_lock_errors(studio):
     api = studio.api
     runs = [api.create_run(config(30), name=f"parallel-{i}")["id"] for i in range(3)]

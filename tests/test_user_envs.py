@@ -95,6 +95,7 @@ def test_molt_train_refuses_an_env_of_a_broken_file_with_exit_2(env_dir):
     assert "unknown env 'user_broken'" in done.stderr
 
 
+@pytest.mark.slow  # ~30 s end to end: runs in CI with the slow tests
 def test_served_user_env_is_listed_launched_and_completes_beside_a_built_in_run(env_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     with serve(home, "--envs", str(env_dir)) as served:
