@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from daemon.records import Records, RunNotFound
 
-from . import pages, prometheus, rest
+from . import launch, pages, prometheus, rest
 from .auth import Auth, load_or_create_token, same_origin
 from .live import OVERFLOW, Hub, daemon_message, dumps
 from .series import SeriesCache
@@ -84,6 +84,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
 
     app.include_router(rest.router)
     app.include_router(prometheus.router)
+    app.include_router(launch.router)  # before pages: /runs/new is not /runs/{run_id}
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 

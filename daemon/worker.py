@@ -74,9 +74,14 @@ def main(argv=None) -> int:
         values.update(outcome="error", cause=f"{type(e).__name__}: {e}"[:4000],
                       error="\n".join(lines[-TRACEBACK_LINES:]))
         code = 1
-        if rank is not None:  # torchrun's error file, which the launching worker reads (what @record writes)
+        if rank is not None and (error_file := os.environ.get("TORCHELASTIC_ERROR_FILE")):
+            # torchrun's error file, which the launching worker reads (what @record writes). Whole or not at all:
+            # torchrun SIGTERMs this rank when another dies and then parses the file, and a half-written one makes
+            # torchrun itself raise, so the attempt would end as a bare "exit code 1".
             from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+            os.environ["TORCHELASTIC_ERROR_FILE"] = error_file + ".part"
             get_error_handler().record_exception(e)
+            os.replace(error_file + ".part", error_file)
     finally:
         if sink:
             sink.close()

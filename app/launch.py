@@ -1,0 +1,189 @@
+"""The launch form (/runs/new): a run's config from the form's fields and its advanced JSON, errors shown inline."""
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Form, HTTPException, Request
+from fastapi.responses import RedirectResponse, Response
+from pydantic import ValidationError, create_model
+
+from daemon.records import RunNotFound, RunRequest
+from molt_engine.config import PRESETS, RunConfig
+from molt_engine.envs import ENVS, load_user_envs
+from molt_engine.serving.agents import Agent
+
+from .auth import CSRF_FIELD
+from .pages import check_csrf, guarded, render
+
+router = APIRouter(include_in_schema=False)
+
+# The launch form's fields: (form name, path in the config, type, label). The rest goes in "advanced JSON".
+FORM_FIELDS = [
+    ("steps", ("loop", "steps"), int, "steps"),
+    ("groups_per_step", ("loop", "groups_per_step"), int, "groups per step"),
+    ("group_size", ("loop", "group_size"), int, "group size"),
+    ("max_staleness", ("loop", "max_staleness"), int, "max staleness"),
+    ("lr", ("algo", "lr"), float, "learning rate"),
+    ("estimator", ("algo", "estimator"), str, "estimator"),
+    ("warm_start", ("warm_start", "steps"), int, "warm-start steps"),
+    ("eval_every", ("loop", "eval_every"), int, "eval every"),
+    ("checkpoint_every", ("checkpoint", "every"), int, "checkpoint every"),
+    ("seed", ("seed",), int, "seed"),
+]
+DATASET_FIELDS = ("path", "eval_path", "reward")  # env_args of the dataset env that the launch form asks for
+# What the launch form posts, all as the text typed: the handler converts it, so a bad number is an inline error
+LaunchForm = create_model("LaunchForm", **{field: (str, "") for field in [
+    "env", "preset", "path", "name", "tags", "max_restarts", "advanced", CSRF_FIELD, *(f[0] for f in FORM_FIELDS),
+    *(f"dataset_{f}" for f in DATASET_FIELDS)]})
+
+
+def form_values(config: dict) -> tuple[dict, dict]:
+    """Split a config into the form's fields and the rest (shown as advanced JSON, non-defaults only)."""
+    rest_config = json.loads(json.dumps(config))
+    values = {"env": rest_config.pop("env", ""), "preset": "", "path": ""}
+    env_args = rest_config.get("env_args", {})
+    if values["env"] == "dataset":
+        for field in DATASET_FIELDS:
+            values[f"dataset_{field}"] = str(env_args.pop(field, "") or "")
+        if not env_args:
+            rest_config.pop("env_args", None)
+    model = rest_config.pop("model", {}) or {}
+    values["preset"], values["path"] = model.get("preset") or "", model.get("path") or ""
+    for name, path, _, _ in FORM_FIELDS:
+        node = rest_config
+        for key in path[:-1]:
+            node = node.get(key, {})
+        if path[-1] in node:
+            values[name] = node.pop(path[-1])
+    defaults = RunConfig(env="max_digit").model_dump(mode="json")  # the same for every env; some need env_args
+    return values, non_default(rest_config, defaults)
+
+
+def non_default(config: dict, defaults: dict) -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            if sub := non_default(value, defaults[key]):
+                out[key] = sub
+        elif key not in defaults or defaults[key] != value:
+            out[key] = value
+    return out
+
+
+def launch_context(values: dict, advanced: str, errors: dict | None = None, name: str = "", tags: str = "",
+                   max_restarts: str = "") -> dict:
+    load_user_envs()  # the user's env directories (--envs): a file added or fixed since start is offered now
+    defaults = RunConfig(env="max_digit").model_dump(mode="json")
+    placeholders = {}
+    for field, path, _, _ in FORM_FIELDS:
+        node = defaults
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        placeholders[field] = "" if node is None else node
+    return {"values": values, "advanced": advanced, "errors": errors or {}, "envs": sorted(ENVS),
+            "chat_envs": {name: cls.tool_names() for name, cls in ENVS.items() if cls.chat},
+            "agents": {name for name, cls in ENVS.items() if issubclass(cls, Agent)},
+            "presets": PRESETS, "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
+            "tags": tags, "max_restarts": max_restarts}
+
+
+@router.get("/runs/new")
+@guarded
+def launch_page(request: Request, clone: int | None = None):
+    values, advanced, name, tags = {"env": "max_digit", "preset": "tiny-dense", "path": ""}, {}, "", ""
+    if clone is not None:
+        try:
+            run = request.app.state.records.get_run(clone)
+        except RunNotFound:
+            raise HTTPException(404, f"no run {clone}") from None
+        values, advanced = form_values(run["config"])
+        name, tags = f"{run['name']} (clone)", ", ".join(run["tags"])
+    return render(request, "launch.html", **launch_context(values, json.dumps(advanced, indent=2) if advanced else "",
+                                                           name=name, tags=tags))
+
+
+@router.post("/runs/new")
+@guarded
+def launch(request: Request, form: Annotated[LaunchForm, Form()]):
+    check_csrf(request, getattr(form, CSRF_FIELD))
+    values = {k: getattr(form, k).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]
+              + [f"dataset_{f}" for f in DATASET_FIELDS]}
+    advanced, name, tags, max_restarts = form.advanced, form.name.strip(), form.tags, form.max_restarts.strip()
+    errors: dict[str, list[str]] = {}
+    config: dict = {"env": values["env"]}
+    if values["env"] == "dataset":  # the dataset env's own inputs; other envs take env_args in the advanced JSON
+        config["env_args"] = {f: values[f"dataset_{f}"] for f in DATASET_FIELDS if values[f"dataset_{f}"]}
+    if values["path"]:
+        config["model"] = {"preset": None, "path": values["path"]}
+    elif values["preset"]:
+        config["model"] = {"preset": values["preset"]}
+    for field, path, kind, _ in FORM_FIELDS:
+        raw = values[field]
+        if raw == "":
+            continue  # the default
+        try:
+            value = kind(raw)
+        except ValueError:
+            errors.setdefault(field, []).append("must be " + ("a whole number" if kind is int else "a number"))
+            continue
+        node = config
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    if advanced.strip():
+        try:
+            extra = json.loads(advanced)
+            if not isinstance(extra, dict):
+                raise ValueError("must be a JSON object")
+            config = deep_merge(config, extra)
+        except ValueError as e:
+            errors.setdefault("advanced", []).append(f"not valid JSON: {e}")
+    wanted = {"config": config, "name": name or None, "tags": [t.strip() for t in tags.split(",") if t.strip()]}
+    try:
+        if max_restarts:
+            wanted["max_restarts"] = int(max_restarts)
+    except ValueError:
+        errors.setdefault("max_restarts", []).append("must be a whole number")
+    run = None
+    if not errors:
+        try:
+            run = request.app.state.records.queue_run(RunRequest.model_validate(wanted))
+        except ValidationError as e:
+            for err in e.errors():
+                loc = err["loc"]
+                where = ".".join(map(str, loc[1:] if loc[:1] == ("config",) and len(loc) > 1 else loc))
+                errors.setdefault(form_field(loc), []).append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    if run is not None:
+        target = f"/runs/{run['id']}"
+        if request.headers.get("hx-request"):
+            return Response(status_code=201, headers={"HX-Redirect": target})
+        return RedirectResponse(target, status_code=303)
+    context = launch_context(values, advanced, errors, name, tags, max_restarts)
+    if request.headers.get("hx-request"):
+        # 200 so that htmx swaps the form with its inline errors in (it ignores 4xx bodies by default)
+        return render(request, "_launch_form.html", **context)
+    return render(request, "launch.html", status_code=422, **context)
+
+
+def form_field(loc: tuple) -> str:
+    """Which input of the launch form a RunRequest error belongs to ("advanced" for config keys without their own
+    input)."""
+    if loc[:1] != ("config",):
+        return str(loc[0])
+    path = tuple(str(p) for p in loc[1:])
+    if path[:1] == ("env",) or path[:1] == ("env_args",):
+        return "env"
+    if path[:1] == ("model",):
+        return "path" if path[1:2] == ("path",) else "preset"
+    for field, field_path, _, _ in FORM_FIELDS:
+        if path[:len(field_path)] == field_path:
+            return field
+    return "advanced"
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
