@@ -3,11 +3,13 @@ launch.py)."""
 import functools
 import inspect
 import json
+import time
+import zlib
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlencode
 
-from fastapi import APIRouter, Form, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, Form, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from markupsafe import escape
@@ -106,21 +108,45 @@ def safe_next(path: str) -> str:
 
 # ---- runs list ------------------------------------------------------------------------------------------------------
 
-def list_context(request: Request, status: str | None, tag: str | None, before: int | None) -> dict:
-    """One page of runs, newest first; `before` (a run id) starts the page after the runs newer than it."""
-    status = status if status in STATUSES else None
-    runs = request.app.state.records.list_runs(status=status, tag=tag or None, limit=RUNS_PER_PAGE + 1, before=before)
-    filters = {k: v for k, v in (("status", status), ("tag", tag)) if v}
-    older = {**filters, "before": runs[RUNS_PER_PAGE - 1]["id"]} if len(runs) > RUNS_PER_PAGE else None
-    return {"runs": runs[:RUNS_PER_PAGE], "status": status, "tag": tag or "", "statuses": STATUSES,
-            "query": urlencode({**filters, **({"before": before} if before else {})}), "first_page": before is None,
-            "newest": "/?" + urlencode(filters), "older": "/?" + urlencode(older) if older else None}
+RUN_COLUMNS = {"created": "created", "status": "status", "env": "env", "model": "model", "steps": "progress",
+               "duration": "duration", "best_eval": "best eval"}  # the sortable ones: key -> header
+
+
+def run_filters(status: str | None = None, env: str | None = None, tag: str | None = None, q: str | None = None,
+                sort: str = "created", order: str = "desc", archived: bool = False, offset: int = 0,
+                before: int | None = None) -> dict:
+    """The runs list's state, all in the URL query so that a reload or a shared link shows the same list."""
+    return {"status": status if status in STATUSES else None, "env": env, "tag": tag, "q": q,
+            "sort": sort if sort in RUN_COLUMNS else "created", "order": "asc" if order == "asc" else "desc",
+            "archived": archived, "offset": max(0, offset), "before": before}
+
+
+def list_context(request: Request, f: dict) -> dict:
+    """One page of runs (newest first unless sorted); `before` (a run id) starts after the runs newer than it. Each
+    row gets an etag of what it shows, so that the page swaps only the rows that changed (runs.js)."""
+    runs = request.app.state.records.list_runs(
+        status=f["status"], tag=f["tag"] or None, env=f["env"] or None, q=f["q"] or None,
+        archived=None if f["archived"] else False, sort=f["sort"], descending=f["order"] == "desc",
+        limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"])
+    for r in runs:
+        r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
+        r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
+    defaults = {"offset": f["offset"], "sort": "created", "order": "desc"}  # left out of the URLs
+    state = {k: v for k, v in f.items() if v and defaults.get(k) != v}
+    older = {**state, "offset": f["offset"] + RUNS_PER_PAGE} if len(runs) > RUNS_PER_PAGE else None
+    flip = lambda key: "asc" if f["sort"] == key and f["order"] == "desc" else "desc"  # noqa: E731
+    return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": RUN_COLUMNS,
+            "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)}) for key in RUN_COLUMNS},
+            "query": urlencode({**state, **({"offset": f["offset"]} if f["offset"] else {})}),
+            "first_page": not f["offset"] and f["before"] is None, "newest": "/?" + urlencode(state),
+            "older": "/?" + urlencode(older) if older else None}
 
 
 @router.get("/")
 @guarded
-def runs_page(request: Request, status: str | None = None, tag: str | None = None, before: int | None = None):
-    return render(request, "runs.html", gpus=machine_gpus(), **list_context(request, status, tag, before))
+def runs_page(request: Request, filters: Annotated[dict, Depends(run_filters)]):
+    return render(request, "runs.html", gpus=machine_gpus(), envs=request.app.state.records.run_envs(),
+                  **list_context(request, filters))
 
 
 def machine_gpus() -> list[dict]:
@@ -149,8 +175,8 @@ def machine_gpus() -> list[dict]:
 
 @router.get("/partials/runs")
 @guarded
-def runs_rows(request: Request, status: str | None = None, tag: str | None = None, before: int | None = None):
-    return render(request, "_runs_rows.html", **list_context(request, status, tag, before))
+def runs_rows(request: Request, filters: Annotated[dict, Depends(run_filters)]):
+    return render(request, "_runs_rows.html", **list_context(request, filters))
 
 
 # ---- run page -------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from molt_engine.serving.agents import Agent
 from molt_engine.envs import ENVS, load_user_envs
 
 from .schemas import (AlertOut, AttemptOut, BadRequest, CheckpointOut, EnvInfo, EventOut, Health, Invalid, MetricsOut,
-                      Problem, RunOut, SampleOut, SamplesOut, SampleStep)
+                      Problem, RunOut, RunPatch, SampleOut, SamplesOut, SampleStep)
 from .series import encode_values
 
 RunId = Annotated[int, Path(ge=1, le=2**62, description="the run's id")]
@@ -139,6 +139,21 @@ def list_runs(request: Request, status: Annotated[list[Literal[STATUSES]] | None
 @protected.get("/runs/{run_id}", response_model=RunOut, responses=with_run, tags=["runs"])
 def get_run(request: Request, run_id: RunId):
     return found(records_of(request).get_run, run_id)
+
+
+@protected.patch("/runs/{run_id}", response_model=RunOut, responses=with_run, tags=["runs"])
+def update_run(request: Request, run_id: RunId, body: RunPatch):
+    """Rename a run, set its notes, archive or unarchive it (any status)."""
+    return found(records_of(request).update_run, run_id, **body.model_dump())
+
+
+@protected.delete("/runs/{run_id}", status_code=204, tags=["runs"],
+                  responses={**with_run, 409: _problem("the run is queued or active: stop it first")})
+def delete_run(request: Request, run_id: RunId):
+    """Delete a run that has ended: its records and its directory (checkpoints, final and best policies, logs)."""
+    found(records_of(request).delete_run, run_id)
+    request.app.state.series.forget(run_id)
+    return Response(status_code=204)
 
 
 @protected.get("/runs/{run_id}/metrics", response_model=MetricsOut, responses=with_run, tags=["metrics"])

@@ -52,10 +52,22 @@ class RunOut(Out):
     last_error: str | None
     summary: dict[str, Any] | None
     alerts_open: int
+    notes: str = ""
+    archived: bool = Field(False, description="hidden from the runs list unless asked for")
+    best_eval: Number | None = Field(None, description="the highest eval_reward recorded, if any")
     created_at: float
     started_at: float | None
     finished_at: float | None
     next_start_at: float | None
+
+
+class RunPatch(BaseModel):
+    """The body of PATCH /api/v1/runs/{id}: the fields to change; those left out stay as they are."""
+    model_config = ConfigDict(strict=True, extra="forbid",
+                              json_schema_extra={"examples": [{"name": "lr-3e-4", "notes": "baseline"}]})
+    name: str | None = Field(None, min_length=1, max_length=200, pattern=r"\S")
+    notes: str | None = Field(None, max_length=10000)
+    archived: bool | None = Field(None, description="archived runs are hidden from the runs list by default")
 
 
 class SeriesOut(Out):

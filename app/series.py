@@ -119,6 +119,12 @@ class SeriesCache:
         part = downsample(full, after_step, max_points)
         return part, len(part) < len(downsample(full, after_step))
 
+    def forget(self, run_id: int):
+        """Drop a deleted run's series: SQLite may give its id to the next run."""
+        with self._lock:
+            for key in [k for k in self._series if k[0] == run_id]:
+                del self._series[key]
+
     def _evict(self):
         total = sum(len(s) for s in self._series.values())
         while total > self.max_points and len(self._series) > 1:

@@ -1,21 +1,23 @@
 """The records, for the app and for scripts: create, list, stop, resume and read runs (one class, Records)."""
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import func, select, text
+from sqlalchemy import delete, func, select, text
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
 
 from .db import DAEMON_HANG_S, add_daemon_event, add_event, connect, data_home, lock_holder, run_dir, set_run
 from .models import (ACTIVE, OUTCOMES, STATUSES, TERMINAL, Alert, Attempt, Checkpoint, DaemonEvent, Event, Metric,
-                     PolicyVersion, Run, Sample, now)
+                     MetricBucket, PolicyVersion, Run, Sample, now)
 
 LIVE_METRICS = ("reward_mean", "samples_per_s", "staleness_mean", "staleness_max")
+RUN_SORTS = ("created", "status", "env", "model", "steps", "duration", "best_eval")
 KEEPER_LOCK = "keeper.lock"   # held by the `molt serve` that keeps the daemon alive (daemon/keeper.py)
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
@@ -73,25 +75,82 @@ class Records:
             return queued
 
     def list_runs(self, status: str | list[str] | None = None, tag: str | None = None,
-                  limit: int | None = None, before: int | None = None) -> list[dict]:
-        """Newest first; with `before`, only the runs older than that run id (the next page)."""
-        q = select(Run).order_by(Run.id.desc()).limit(limit)
+                  limit: int | None = None, before: int | None = None, env: str | None = None,
+                  q: str | None = None, archived: bool | None = None, sort: str = "created",
+                  descending: bool = True, offset: int | None = None) -> list[dict]:
+        """Newest first (or by `sort`, one of RUN_SORTS); with `before`, only the runs older than that run id (the
+        next page). `q` matches the name, notes or a tag (case-insensitive for ASCII); `archived` None = both."""
+        best_eval = (select(func.max(Metric.value)).where(Metric.run_id == Run.id, Metric.name == "eval_reward")
+                     .scalar_subquery())  # NaN is stored as NULL: max() skips it
+        keys = {"created": Run.id, "status": Run.status, "env": func.json_extract(Run.config, "$.env"),
+                "model": func.coalesce(func.json_extract(Run.config, "$.model.path"),
+                                       func.json_extract(Run.config, "$.model.preset")),
+                "steps": Run.step, "duration": func.coalesce(Run.finished_at, now()) - Run.started_at,
+                "best_eval": best_eval}
+        if sort not in keys:
+            raise ValueError(f"sort must be one of {', '.join(RUN_SORTS)}, not {sort!r}")
+        order = keys[sort].desc() if descending else keys[sort].asc()
+        q_ = (select(Run, best_eval).order_by(order, Run.id.desc()).limit(limit).offset(offset))
         if before is not None:
-            q = q.where(Run.id < before)
+            q_ = q_.where(Run.id < before)
         if status:
-            q = q.where(Run.status.in_([status] if isinstance(status, str) else status))
+            q_ = q_.where(Run.status.in_([status] if isinstance(status, str) else status))
         if tag:
-            q = q.where(text("EXISTS (SELECT 1 FROM json_each(run.tags) WHERE json_each.value = :tag)")
-                        .bindparams(tag=tag))
+            q_ = q_.where(text("EXISTS (SELECT 1 FROM json_each(run.tags) WHERE json_each.value = :tag)")
+                          .bindparams(tag=tag))
+        if env:
+            q_ = q_.where(func.json_extract(Run.config, "$.env") == env)
+        if archived is not None:
+            q_ = q_.where(Run.archived == archived)
+        if q:
+            like = "%" + q.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            q_ = q_.where(Run.name.like(like, escape="\\") | Run.notes.like(like, escape="\\") | text(
+                "EXISTS (SELECT 1 FROM json_each(run.tags) WHERE json_each.value LIKE :like ESCAPE '\\')")
+                .bindparams(like=like))
         with Session(self.engine) as s:
-            runs = s.scalars(q).all()
+            rows = s.execute(q_).all()
             open_alerts = dict(s.execute(select(Alert.run_id, func.count()).where(~Alert.acknowledged)
                                          .group_by(Alert.run_id)).all())
-            return [self._run_dict(s, r, open_alerts.get(r.id, 0)) for r in runs]
+            return [{**self._run_dict(s, r, open_alerts.get(r.id, 0)), "best_eval": best} for r, best in rows]
+
+    def run_envs(self) -> list[str]:
+        """The envs of the recorded runs, for the runs list's filter."""
+        with Session(self.engine) as s:
+            return sorted(s.scalars(select(func.json_extract(Run.config, "$.env")).distinct()))
+
+    def update_run(self, run_id: int, name: str | None = None, notes: str | None = None,
+                   archived: bool | None = None) -> dict:
+        """Rename, annotate, archive or unarchive a run (any status); a None leaves that field as it is."""
+        if name is not None and not name.strip():
+            raise ValueError("name must not be blank")
+        with Session(self.engine) as s:
+            run = self._get(s, run_id)
+            for field, value in (("name", name and name.strip()), ("notes", notes), ("archived", archived)):
+                if value is not None:
+                    setattr(run, field, value)
+            s.add(run)
+            s.commit()
+        return self.get_run(run_id)
+
+    def delete_run(self, run_id: int):
+        """Delete a run's records and its directory (checkpoints, final and best policies, logs). Only a run that
+        has ended: a queued or active one may have a worker writing at any moment (Conflict: stop it first)."""
+        with Session(self.engine) as s:
+            run = self._get(s, run_id)
+            for model in (Metric, MetricBucket, PolicyVersion, Checkpoint, Alert, Event, Sample, Attempt):
+                s.execute(delete(model).where(model.run_id == run_id))  # metric first: its triggers fill buckets
+            # the status checked in the same statement: the daemon cannot start it between a check and the delete
+            if s.execute(delete(Run).where(Run.id == run_id, Run.status.in_(TERMINAL))).rowcount == 0:
+                s.rollback()
+                raise Conflict(f"run {run_id} is {run.status}: stop it before deleting it")
+            s.commit()
+        if self.run_dir(run_id).exists():
+            shutil.rmtree(self.run_dir(run_id))
 
     def get_run(self, run_id: int) -> dict:
         with Session(self.engine) as s:
-            return self._run_dict(s, self._get(s, run_id))
+            best = s.scalar(select(func.max(Metric.value)).where(Metric.run_id == run_id, Metric.name == "eval_reward"))
+            return {**self._run_dict(s, self._get(s, run_id)), "best_eval": best}
 
     def stop_run(self, run_id: int) -> dict:
         """A queued run stops at once; a running one becomes `stopping`: the daemon sends SIGTERM, the worker

@@ -15,7 +15,9 @@ from app.auth import SESSION_COOKIE, load_or_create_token
 from app.series import bucket_extremes
 from app_support import FAST, TOKEN, hook, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
-from sqlmodel import Session
+from sqlmodel import Session, select
+
+from daemon import models
 
 
 def test_a_new_token_is_saved_private_reused_and_never_reads_as_a_cli_flag(tmp_path, monkeypatch):
@@ -339,3 +341,55 @@ def test_a_resumed_run_rewriting_its_steps_pushes_the_new_values(web):
     assert asyncio.run(scenario()) == {step: 1.0 for step in range(5, 10)}
     after = web["client"].get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "reward_mean"}).json()
     assert after["series"]["reward_mean"]["value"] == [0.0] * 5 + [1.0] * 5
+
+
+# ---- the runs list's edits: rename, notes, archive, delete ------------------------------------------------------------
+
+def test_patch_renames_annotates_and_archives_and_delete_removes_an_ended_run_with_its_files(web):
+    client, records = web["client"], web["records"]
+    run = new_run(web, name="before")["id"]
+    changed = client.patch(f"/api/v1/runs/{run}", json={"name": "after", "notes": "baseline", "archived": True})
+    assert changed.status_code == 200, changed.text
+    assert {k: changed.json()[k] for k in ("name", "notes", "archived")} == \
+        {"name": "after", "notes": "baseline", "archived": True}
+    assert client.patch(f"/api/v1/runs/{run}", json={"archived": False}).json()["name"] == "after"  # the rest stays
+    for bad, field in [({"name": "  "}, "name"), ({"archived": "yes"}, "archived"), ({"colour": "red"}, "colour")]:
+        answer = client.patch(f"/api/v1/runs/{run}", json=bad)
+        assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-1] == field, answer.text
+    assert client.patch("/api/v1/runs/999999", json={"notes": "x"}).status_code == 404
+
+    # a queued or active run is refused, with the reason; an ended one goes with its records and files
+    for status in ("queued", "running", "stopping"):
+        with Session(records.engine) as s:
+            s.get(models.Run, run).status = status
+            s.commit()
+        refused = client.delete(f"/api/v1/runs/{run}")
+        assert refused.status_code == 409 and f"is {status}: stop it before deleting" in refused.json()["detail"]
+    sink = sink_for(web, run)
+    sink.metrics(0, {"reward_mean": 0.5, "eval_reward": 0.25})
+    sink.alert("breaker", "spike", step=0)
+    sink.close()
+    assert client.get(f"/api/v1/runs/{run}").json()["best_eval"] == 0.25
+    assert client.get(f"/api/v1/runs/{run}/metrics").json()["series"]["reward_mean"]["value"] == [0.5]  # cached
+    with Session(records.engine) as s:
+        s.get(models.Run, run).status = "completed"
+        s.commit()
+    (records.run_dir(run) / "final").mkdir(parents=True)
+    (records.run_dir(run) / "final" / "model.safetensors").write_bytes(b"weights")
+    assert client.delete(f"/api/v1/runs/{run}").status_code == 204
+    assert client.get(f"/api/v1/runs/{run}").status_code == 404
+    assert client.delete(f"/api/v1/runs/{run}").status_code == 404
+    assert not records.run_dir(run).exists()
+    with Session(records.engine) as s:
+        for model in (models.Metric, models.MetricBucket, models.Alert, models.Event, models.Attempt):
+            assert s.exec(select(model).where(model.run_id == run)).first() is None, model.__name__
+    # SQLite may hand the deleted id to the next run: the app must not serve the old run's cached series
+    assert new_run(web)["id"] == run
+    assert client.get(f"/api/v1/runs/{run}/metrics").json()["series"] == {}
+
+    spec = client.get("/openapi.json").json()
+    operations = spec["paths"]["/api/v1/runs/{run_id}"]
+    assert {"get", "patch", "delete"} <= set(operations)
+    assert operations["patch"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("RunPatch")
+    assert "409" in operations["delete"]["responses"]
+    assert {"notes", "archived", "best_eval"} <= set(spec["components"]["schemas"]["RunOut"]["properties"])

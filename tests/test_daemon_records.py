@@ -352,3 +352,32 @@ def test_resume_rewinds_to_a_checkpoint_whose_steps_are_all_recorded(api, tmp_pa
     (root / "latest").write_text("step-000010")
     rewind_to_recorded(api.engine, run, root)
     assert (root / "latest").read_text() == "step-000010", "all of 0..9 recorded: resume from step 10"
+
+
+def test_list_runs_sorts_filters_searches_and_hides_archived_runs_on_request(tmp_path):
+    api = Records(tmp_path)
+    a = api.create_run(FAST, name="alpha_1", tags=["sweep"])["id"]
+    b = api.create_run({**FAST, "env": "guess_number"}, name="beta", tags=["50%-lr"])["id"]
+    c = api.create_run(FAST, name="gamma")["id"]
+    api.update_run(c, notes="Diverged at step 40", archived=True)
+    with Session(api.engine) as s:
+        for run_id, step in ((a, 3), (b, 1), (c, 2)):
+            s.get(models.Run, run_id).step = step
+        s.add(Metric(run_id=b, name="eval_reward", step=0, value=0.7))
+        s.add(Metric(run_id=b, name="eval_reward", step=1, value=None))  # a NaN eval: never the best
+        s.commit()
+    ids = lambda **kw: [r["id"] for r in api.list_runs(**kw)]  # noqa: E731
+    assert ids() == [c, b, a] and ids(archived=False) == [b, a] and ids(archived=True) == [c]
+    assert ids(sort="steps") == [a, c, b] and ids(sort="steps", descending=False) == [b, c, a]
+    assert ids(sort="best_eval")[0] == b and api.list_runs(env="guess_number")[0]["best_eval"] == 0.7
+    assert ids(env="guess_number") == [b] and api.run_envs() == ["guess_number", "max_digit"]
+    assert ids(q="DIVERGED") == [c] and ids(q="sweep") == [a] and ids(q="50%") == [b]
+    assert ids(q="a_1") == [a] and ids(q="%") == [b] and ids(q="_") == [a]  # LIKE's wildcards are plain characters
+    assert ids(limit=1, offset=1) == [b]
+    with pytest.raises(ValueError, match="sort must be one of"):
+        api.list_runs(sort="name; DROP TABLE run")
+    with pytest.raises(ValueError, match="name must not be blank"):
+        api.update_run(a, name=" ")
+    with pytest.raises(Conflict, match="is queued: stop it before deleting"):
+        api.delete_run(a)
+    assert api.get_run(a)["name"] == "alpha_1"
