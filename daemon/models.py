@@ -1,7 +1,7 @@
 """The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts, events and samples."""
 import time
 
-from sqlalchemy import JSON, Boolean, Column, Index, Text, UniqueConstraint, false
+from sqlalchemy import JSON, Boolean, Column, Index, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 # Named constraints, so that Alembic's batch mode on SQLite can find and drop them in later migrations.
@@ -46,7 +46,7 @@ class Run(SQLModel, table=True):
     finished_at: float | None = None
     next_start_at: float | None = None     # status restarting: when the backoff ends
     notes: str = Field(default="", sa_column=Column(Text, nullable=False, server_default=""))
-    archived: bool = Field(default=False, sa_column=Column(Boolean, nullable=False, server_default=false()))
+    archived: bool = Field(default=False, sa_column=Column(Boolean, nullable=False, server_default="0"))
 
 
 class Attempt(SQLModel, table=True):

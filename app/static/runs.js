@@ -5,8 +5,10 @@
   const key = (row) => row.dataset.runId || "empty";
 
   function formatTimes(root) {
-    for (const el of root.querySelectorAll(".time[data-time]")) {
-      el.textContent = new Date(Number(el.dataset.time) * 1000).toLocaleString();
+    for (const el of root.querySelectorAll(".created[data-time]")) {
+      const when = new Date(Number(el.dataset.time) * 1000);
+      el.textContent = when.toLocaleString([], {dateStyle: "short", timeStyle: "short"});
+      el.title = when.toLocaleString();
     }
   }
 
@@ -108,6 +110,7 @@
   }
 
   document.addEventListener("DOMContentLoaded", () => {
+    formatTimes(document.getElementById("runs-rows"));
     document.getElementById("runs-rows").addEventListener("click", (e) => {
       const button = e.target.closest("button[data-action]");
       if (button) act(button);

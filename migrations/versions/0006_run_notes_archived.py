@@ -17,9 +17,11 @@ depends_on: Union[str, Sequence[str], None] = None
 
 
 def upgrade() -> None:
+    # constant server defaults: SQLite adds the columns in place (an expression default would rebuild the table,
+    # which the foreign keys of the recorded rows forbid)
     with op.batch_alter_table('run', schema=None) as batch_op:
         batch_op.add_column(sa.Column('notes', sa.Text(), server_default='', nullable=False))
-        batch_op.add_column(sa.Column('archived', sa.Boolean(), server_default=sa.false(), nullable=False))
+        batch_op.add_column(sa.Column('archived', sa.Boolean(), server_default='0', nullable=False))
 
 
 def downgrade() -> None:
