@@ -134,11 +134,12 @@ def list_context(request: Request, f: dict) -> dict:
     defaults = {"offset": f["offset"], "sort": "created", "order": "desc"}  # left out of the URLs
     state = {k: v for k, v in f.items() if v and defaults.get(k) != v}
     older = {**state, "offset": f["offset"] + RUNS_PER_PAGE} if len(runs) > RUNS_PER_PAGE else None
+    newest = {k: v for k, v in state.items() if k != "before"}
     flip = lambda key: "asc" if f["sort"] == key and f["order"] == "desc" else "desc"  # noqa: E731
     return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": RUN_COLUMNS,
             "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)}) for key in RUN_COLUMNS},
             "query": urlencode({**state, **({"offset": f["offset"]} if f["offset"] else {})}),
-            "first_page": not f["offset"] and f["before"] is None, "newest": "/?" + urlencode(state),
+            "first_page": not f["offset"] and f["before"] is None, "newest": "/?" + urlencode(newest),
             "older": "/?" + urlencode(older) if older else None}
 
 
