@@ -207,8 +207,9 @@ def metrics_csv(request: Request, run_id: RunId,
                 out.writerow([step, *(row.get(name, "") for name in names)])
         yield buffer.getvalue()
 
+    filename = f"run-{run_id}-metrics{'-wide' if wide else ''}.csv"
     return StreamingResponse(rows(), media_type="text/csv",
-                             headers={"Content-Disposition": f'attachment; filename="run-{run_id}-metrics{"-wide" * wide}.csv"'})
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
 
 
 @protected.get("/runs/{run_id}/alerts", response_model=list[AlertOut], responses=with_run, tags=["records"])
