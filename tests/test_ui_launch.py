@@ -108,6 +108,8 @@ def test_every_error_at_once_under_the_input_that_holds_the_value_marked_and_foc
             expect(field).not_to_have_attribute("aria-invalid", "true")
     expect(form.locator("input[name=steps]")).to_be_focused()  # the first error in the form's order
     expect(form.locator("input[name=lr]")).to_have_value("0.001")  # what was typed is kept
+    page.select_option("#launch-form select[name=env]", "guess_number")  # the swapped-in form still follows the env
+    expect(page.locator("#env-description")).to_have_text(ENVS["guess_number"].__doc__.strip().splitlines()[0])
     # a top-level key that belongs in a section gets its path suggested
     form.locator("input[name=steps]").fill("5")
     form.locator("input[name=group_size]").fill("")
