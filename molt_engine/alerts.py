@@ -29,14 +29,13 @@ class Alerts:
         ]
         # Every advantage is 0 when each group's rewards are equal: the loss has no gradient, nothing is learnt.
         self.no_signal = self.no_signal + 1 if metrics.get("grad_norm") == 0 or metrics.get("reward_std") == 0 else 0
-        passed = metrics.get("pass_rate")
-        cause = ("every episode succeeds: the task is solved for this policy; stop, or try a harder task" if passed == 1
-                 else "the task is too hard or too easy for this policy; try a warm start (warm_start.steps), a larger "
-                      "loop.group_size or another algo.lr")
-        checks.append(("no_signal", "no_signal", self.no_signal, cfg.no_signal_steps,
-                       f"no learning signal for {self.no_signal} steps in a row (grad norm "
-                       f"{metrics.get('grad_norm', 0):.3g}, reward std {metrics.get('reward_std', 0):.3g}): every "
-                       f"group's rewards are equal, so every advantage is 0. {cause[0].upper()}{cause[1:]}"))
+        cause = ("Every episode succeeds: the task is solved for this policy; stop, or try a harder task"
+                 if metrics.get("pass_rate") == 1 else "The task is too hard or too easy for this policy; try a warm "
+                 "start (warm_start.steps), a larger loop.group_size or another algo.lr")
+        why = (f"no learning signal for {self.no_signal} steps in a row (grad norm "
+            f"{metrics.get('grad_norm', 0):.3g}, reward std {metrics.get('reward_std', 0):.3g}): every group's "
+            f"rewards are equal, so every advantage is 0. {cause}")
+        checks.append(("no_signal", "no_signal", self.no_signal, cfg.no_signal_steps, why))
         alerts = []
         for name, kind, value, threshold, message in checks:
             reaches = name in ("staleness_max", "no_signal")

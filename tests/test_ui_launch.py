@@ -5,10 +5,10 @@ import json
 import re
 
 import pytest
-from playwright.sync_api import expect
-
 from app_support import web_thread
 from conftest import screenshot
+from playwright.sync_api import expect
+
 from molt_engine.envs import ENVS
 
 TOKEN = "launch-token"
@@ -88,7 +88,7 @@ def test_every_error_at_once_under_the_input_that_holds_the_value_marked_and_foc
     form.locator("input[name=lr]").fill("0.001")          # fine here; the advanced JSON overrides it with a bad one
     form.locator("textarea[name=advanced]").fill(json.dumps({"algo": {"lr": -1}, "loop": {"stepz": 5}}))
     page.click("#launch-form button[type=submit]")
-    errors = lambda field: form.locator(f".field-error[data-field={field}]")  # noqa: E731
+    errors = lambda field: form.locator(f".field-error[data-field={field}]")
     expect(errors("steps")).to_have_text("must be a whole number")
     expect(errors("group_size")).to_contain_text("loop.group_size")
     advanced = errors("advanced")
