@@ -33,8 +33,8 @@ class Alerts:
                  if metrics.get("pass_rate") == 1 else "The task is too hard or too easy for this policy; try a warm "
                  "start (warm_start.steps), a larger loop.group_size or another algo.lr")
         why = (f"no learning signal for {self.no_signal} steps in a row (grad norm "
-            f"{metrics.get('grad_norm', 0):.3g}, reward std {metrics.get('reward_std', 0):.3g}): every group's "
-            f"rewards are equal, so every advantage is 0. {cause}")
+               f"{metrics.get('grad_norm', 0):.3g}, reward std {metrics.get('reward_std', 0):.3g}): every group's "
+               f"rewards are equal, so every advantage is 0. {cause}")
         checks.append(("no_signal", "no_signal", self.no_signal, cfg.no_signal_steps, why))
         alerts = []
         for name, kind, value, threshold, message in checks:
