@@ -75,7 +75,6 @@ def main(argv=None):
     lst = rc.add_parser("list", help="runs, newest first")
     lst.add_argument("--status", action="append")
     lst.add_argument("--tag")
-    lst.add_argument("--json", action="store_true")
     for name, text in [("get", "a run as JSON"), ("stop", "stop a run (it checkpoints first)"),
                        ("resume", "continue a stopped, failed or tripped run from its latest checkpoint")]:
         sub = rc.add_parser(name, help=text)
@@ -83,6 +82,8 @@ def main(argv=None):
     wt = rc.add_parser("wait", help="wait until a run ends; the exit status says how")
     wt.add_argument("id", type=int)
     wt.add_argument("--timeout", type=float)
+    for sub in (c, lst, wt):  # create and wait print a summary unless --json (the config alone is ~130 lines)
+        sub.add_argument("--json", action="store_true", help="the whole record (config included), not a summary")
     m = rc.add_parser("metrics", help="a run's metrics as JSON (or CSV)")
     m.add_argument("id", type=int)
     m.add_argument("--names", help="comma-separated")
@@ -281,13 +282,21 @@ def runs_create(client, args) -> int:
     run = call(client, "POST", "/api/v1/runs", json=body).json()
     print(f"run {run['id']} queued: {run['name']}", file=sys.stderr)
     if not args.wait:
-        print(json.dumps(run, indent=1))
+        print(json.dumps(run, indent=1) if args.json else summary(run, args.url))
         return 0
-    return wait_for(client, run["id"], args.timeout)
+    return wait_for(client, args, run["id"])
 
 
-def wait_for(client, run_id: int, timeout: float | None) -> int:
-    deadline = None if timeout is None else time.monotonic() + timeout
+def summary(run: dict, url: str) -> str:
+    config, model = run["config"], run["config"].get("model") or {}
+    rows = {"id": run["id"], "name": run["name"], "status": run["status"], "env": config.get("env"),
+            "model": model.get("path") or model.get("preset"), "steps": f"{run['step']}/{run['total_steps']}",
+            "url": f"{url.rstrip('/')}/runs/{run['id']}"}
+    return "\n".join(f"{key:<7} {value}" for key, value in rows.items())
+
+
+def wait_for(client, args, run_id: int) -> int:
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     last = None
     while True:
         chunk = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
@@ -296,12 +305,12 @@ def wait_for(client, run_id: int, timeout: float | None) -> int:
             last = (run["status"], run["step"])
             print(f"run {run_id}: {run['status']}, step {run['step']}/{run['total_steps']}", file=sys.stderr)
         if run["status"] in EXIT_CODES:
-            print(json.dumps(run, indent=1))
+            print(json.dumps(run, indent=1) if args.json else summary(run, args.url))
             if run["last_error"] and run["status"] != "completed":
                 print(f"run {run_id} {run['status']}: {run['last_error']}", file=sys.stderr)
             return EXIT_CODES[run["status"]]
         if deadline is not None and time.monotonic() >= deadline:
-            print(f"run {run_id}: still {run['status']} after {timeout:g}s", file=sys.stderr)
+            print(f"run {run_id}: still {run['status']} after {args.timeout:g}s", file=sys.stderr)
             return EXIT_TIMEOUT
 
 
@@ -339,7 +348,7 @@ RUNS_COMMANDS = {
     "get": lambda client, a: _print(call(client, "GET", f"/api/v1/runs/{a.id}")),
     "stop": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/stop")),
     "resume": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/resume")),
-    "wait": lambda client, a: wait_for(client, a.id, a.timeout),
+    "wait": lambda client, a: wait_for(client, a, a.id),
     "metrics": runs_metrics,
 }
 

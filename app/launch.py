@@ -1,10 +1,11 @@
 """The launch form (/runs/new): a run's config from the form's fields and its advanced JSON, errors shown inline."""
+import difflib
 import json
 from typing import Annotated
 
 from fastapi import APIRouter, Form, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
-from pydantic import ValidationError, create_model
+from pydantic import BaseModel, ValidationError, create_model
 
 from daemon.records import RunNotFound, RunRequest
 from molt_engine.config import PRESETS, RunConfig
@@ -29,6 +30,18 @@ FORM_FIELDS = [
     ("checkpoint_every", ("checkpoint", "every"), int, "checkpoint every"),
     ("seed", ("seed",), int, "seed"),
 ]
+# The README's recipes, offered as one-click presets that fill the form (/runs/new?recipe=...)
+RECIPES = {
+    "calculator warm start": {"env": "calculator", "warm_start": {"steps": 100, "lr": 1e-3}},
+    "vision (shapes, tiny-vlm)": {"env": "shapes", "model": {"preset": "tiny-vlm"}, "seed": 0,
+                                  "loop": {"steps": 800, "eval_every": 25, "eval_episodes": 200},
+                                  "algo": {"lr": 1e-4, "kl_coef": 0.1}, "warm_start": {"steps": 55, "lr": 3e-4}},
+    "dataset (GSM8K-format)": {"env": "dataset", "model": {"preset": "tiny-chat"},
+                               "env_args": {"path": "train.jsonl", "eval_path": "test.jsonl", "reward": "gsm8k",
+                                            "max_tokens": 24},
+                               "loop": {"groups_per_step": 8, "group_size": 8, "eval_episodes": 100},
+                               "warm_start": {"steps": 200, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1}},
+}
 DATASET_FIELDS = ("path", "eval_path", "reward")  # env_args of the dataset env that the launch form asks for
 # What the launch form posts, all as the text typed: the handler converts it, so a bad number is an inline error
 LaunchForm = create_model("LaunchForm", **{field: (str, "") for field in [
@@ -58,6 +71,30 @@ def form_values(config: dict) -> tuple[dict, dict]:
     return values, non_default(rest_config, defaults)
 
 
+def key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of the config schema by its dotted path ("loop.steps"), for "did you mean" on an unknown key."""
+    paths = []
+    for name, field in model.model_fields.items():
+        paths.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            paths += key_paths(field.annotation, f"{prefix}{name}.")
+    return paths
+
+
+CONFIG_KEYS = key_paths(RunConfig)
+
+
+def did_you_mean(where: str) -> str:
+    """The known key closest to an unknown one: by its whole path, or by its last part (`steps` -> `loop.steps`)."""
+    key = where.rsplit(".", 1)[-1]
+
+    def score(path: str) -> tuple[float, float]:
+        whole = difflib.SequenceMatcher(None, where, path).ratio()
+        return max(whole, difflib.SequenceMatcher(None, key, path.rsplit(".", 1)[-1]).ratio()), whole
+    best = max(CONFIG_KEYS, key=score)
+    return f"; did you mean `{best}`?" if score(best)[0] >= 0.75 else ""
+
+
 def non_default(config: dict, defaults: dict) -> dict:
     out = {}
     for key, value in config.items():
@@ -79,7 +116,12 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
         for key in path:
             node = node.get(key) if isinstance(node, dict) else None
         placeholders[field] = "" if node is None else node
-    return {"values": values, "advanced": advanced, "errors": errors or {}, "envs": sorted(ENVS),
+    errors = errors or {}
+    order = ["name", "tags", "env", "max_restarts", "preset", "path", *(f[0] for f in FORM_FIELDS), "advanced"]
+    return {"values": values, "advanced": advanced, "errors": errors, "envs": sorted(ENVS),
+            "first_error": next((field for field in order if field in errors), None),
+            "descriptions": {name: ((cls.__doc__ or "").strip().splitlines() or [""])[0] for name, cls in ENVS.items()},
+            "recipes": RECIPES,
             "chat_envs": {name: cls.tool_names() for name, cls in ENVS.items() if cls.chat},
             "agents": {name for name, cls in ENVS.items() if issubclass(cls, Agent)},
             "presets": PRESETS, "fields": FORM_FIELDS, "placeholders": placeholders, "name": name,
@@ -88,8 +130,13 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
 
 @router.get("/runs/new")
 @guarded
-def launch_page(request: Request, clone: int | None = None):
+def launch_page(request: Request, clone: int | None = None, recipe: str | None = None):
     values, advanced, name, tags = {"env": "max_digit", "preset": "tiny-dense", "path": ""}, {}, "", ""
+    if recipe is not None:
+        if recipe not in RECIPES:
+            raise HTTPException(404, f"no recipe {recipe!r}; there are: {', '.join(RECIPES)}")
+        values, advanced = form_values(RECIPES[recipe])
+        values["preset"] = values["preset"] or "tiny-dense"
     if clone is not None:
         try:
             run = request.app.state.records.get_run(clone)
@@ -129,29 +176,34 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
+    extra: dict = {}  # the advanced JSON's keys: their errors show under it, not under a field
     if advanced.strip():
         try:
             extra = json.loads(advanced)
             if not isinstance(extra, dict):
                 raise ValueError("must be a JSON object")
-            config = deep_merge(config, extra)
         except ValueError as e:
             errors.setdefault("advanced", []).append(f"not valid JSON: {e}")
+            extra = {}
+        config = deep_merge(config, extra)
     wanted = {"config": config, "name": name or None, "tags": [t.strip() for t in tags.split(",") if t.strip()]}
     try:
         if max_restarts:
             wanted["max_restarts"] = int(max_restarts)
     except ValueError:
         errors.setdefault("max_restarts", []).append("must be a whole number")
-    run = None
-    if not errors:
-        try:
-            run = request.app.state.records.queue_run(RunRequest.model_validate(wanted))
-        except ValidationError as e:
-            for err in e.errors():
-                loc = err["loc"]
-                where = ".".join(map(str, loc[1:] if loc[:1] == ("config",) and len(loc) > 1 else loc))
-                errors.setdefault(form_field(loc), []).append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    # Checked even when a field could not be read (it keeps its default here): every error shows in one pass
+    checked = None
+    try:
+        checked = RunRequest.model_validate(wanted)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = err["loc"]
+            where = ".".join(map(str, loc[1:] if loc[:1] == ("config",) and len(loc) > 1 else loc))
+            hint = did_you_mean(where) if err["type"] == "extra_forbidden" and loc[:1] == ("config",) else ""
+            errors.setdefault(form_field(loc, extra), []).append(
+                f"{where}: {err['msg'].removeprefix('Value error, ')}{hint}")
+    run = None if errors else request.app.state.records.queue_run(checked)
     if run is not None:
         target = f"/runs/{run['id']}"
         if request.headers.get("hx-request"):
@@ -164,12 +216,19 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     return render(request, "launch.html", status_code=422, **context)
 
 
-def form_field(loc: tuple) -> str:
-    """Which input of the launch form a RunRequest error belongs to ("advanced" for config keys without their own
-    input)."""
+def form_field(loc: tuple, extra: dict) -> str:
+    """Which input of the launch form a RunRequest error belongs to: "advanced" for config keys that the advanced
+    JSON set (it overrides the fields) or that have no input of their own."""
     if loc[:1] != ("config",):
         return str(loc[0])
     path = tuple(str(p) for p in loc[1:])
+    node = extra
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            break
+        node = node[key]
+    else:
+        return "advanced"
     if path[:1] == ("env",) or path[:1] == ("env_args",):
         return "env"
     if path[:1] == ("model",):

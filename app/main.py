@@ -7,11 +7,13 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemon.records import Records, RunNotFound
 
@@ -63,6 +65,16 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     @app.exception_handler(RunNotFound)
     async def not_found(request: Request, exc: RunNotFound):
         return JSONResponse({"detail": f"not found: {exc.args[0]}"}, status_code=404)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def not_found_page(request: Request, exc: StarletteHTTPException):
+        """A page that does not exist gets a page saying so; the API (and static files) keep their JSON 404."""
+        if exc.status_code != 404 or request.url.path.startswith(("/api/", "/static/", "/ws/")):
+            return await http_exception_handler(request, exc)
+        signed_in = app.state.auth.method(request) is not None
+        detail = exc.detail if exc.detail != "Not Found" else f"There is no page at {request.url.path}."
+        return pages.render(request, "404.html", 404, detail=detail, hide_logout=not signed_in,
+                            **({} if signed_in else {"csrf": ""}))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):

@@ -15,12 +15,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 
 from daemon.models import STATUSES, TERMINAL, Metric
-from daemon.records import Conflict, RunNotFound, RunRequest
+from daemon.records import Conflict, RunNotFound
 from molt_engine.serving.agents import Agent
 from molt_engine.envs import ENVS, load_user_envs
 
 from .schemas import (AlertOut, AttemptOut, BadRequest, CheckpointOut, EnvInfo, EventOut, Health, Invalid, MetricsOut,
-                      Problem, RunOut, RunPatch, SampleOut, SamplesOut, SampleStep)
+                      Problem, RunBody, RunOut, RunPatch, SampleOut, SamplesOut, SampleStep)
 from .series import encode_values
 
 RunId = Annotated[int, Path(ge=1, le=2**62, description="the run's id")]
@@ -121,8 +121,9 @@ def envs():
 
 
 @protected.post("/runs", status_code=201, response_model=RunOut, tags=["runs"])
-def create_run(request: Request, body: RunRequest):
-    """Validate the config and queue a run; the daemon starts it when a slot is free."""
+def create_run(request: Request, body: RunBody):
+    """Validate the config and queue a run; the daemon starts it when a slot is free. The body is a request with its
+    `config`, or a bare config (`{"env": "max_digit"}`)."""
     return records_of(request).queue_run(body)
 
 
@@ -182,29 +183,48 @@ def metric_series(cache, run_id: int, names: str | list[str] | None, after_step=
 
 
 @protected.get("/runs/{run_id}/metrics.csv", tags=["metrics"],
-               responses={**with_run, 200: {"content": {"text/csv": {}}, "description": "step,name,value,time"}})
-def metrics_csv(request: Request, run_id: RunId):
-    """Every recorded value at full resolution, one row per (step, name); NaN as `nan`, infinities as `inf`."""
+               responses={**with_run, 200: {"content": {"text/csv": {}},
+                                            "description": "long: step,name,value,time; wide: step,<each metric>"}})
+def metrics_csv(request: Request, run_id: RunId,
+                format: Annotated[Literal["long", "wide"], Query(description="long: one row per (step, name); wide: "
+                                                                 "one row per step, one column per metric")] = "long"):
+    """Every recorded value at full resolution; NaN as `nan`, infinities as `inf`; in wide format an empty cell is a
+    metric not recorded at that step."""
     records = records_of(request)
     found(records.get_run, run_id)
+    wide = format == "wide"
+
+    def cell(v):
+        return "nan" if v is None else repr(v) if math.isfinite(v) else str(v)
 
     def rows():
         buffer = io.StringIO()
         out = csv.writer(buffer)
-        out.writerow(["step", "name", "value", "time"])
         with records.engine.connect() as c:
+            names = c.scalars(select(Metric.name).where(Metric.run_id == run_id).distinct().order_by(Metric.name)).all()
+            out.writerow(["step", *names] if wide else ["step", "name", "value", "time"])
             result = c.execute(select(Metric.step, Metric.name, Metric.value, Metric.time)
                                .where(Metric.run_id == run_id).order_by(Metric.step, Metric.name))
+            step, row = None, {}  # wide: the step being gathered (its rows may span two chunks)
             while chunk := result.fetchmany(10000):
-                out.writerows((s, n, "nan" if v is None else repr(v) if math.isfinite(v) else str(v), t)
-                              for s, n, v, t in chunk)
+                if not wide:
+                    out.writerows((s, n, cell(v), t) for s, n, v, t in chunk)
+                    continue
+                for s, n, v, _ in chunk:
+                    if s != step and row:
+                        out.writerow([step, *(row.get(name, "") for name in names)])
+                        row = {}
+                    step, row[n] = s, cell(v)
                 yield buffer.getvalue()
                 buffer.seek(0)
                 buffer.truncate()
+            if row:
+                out.writerow([step, *(row.get(name, "") for name in names)])
         yield buffer.getvalue()
 
+    filename = f"run-{run_id}-metrics{'-wide' if wide else ''}.csv"
     return StreamingResponse(rows(), media_type="text/csv",
-                             headers={"Content-Disposition": f'attachment; filename="run-{run_id}-metrics.csv"'})
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
 
 
 @protected.get("/runs/{run_id}/alerts", response_model=list[AlertOut], responses=with_run, tags=["records"])

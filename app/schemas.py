@@ -1,9 +1,10 @@
 """The REST API's JSON bodies (pydantic): what each route returns, as /docs and /openapi.json document them."""
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 from daemon.models import STATUSES
+from daemon.records import RunRequest
 
 # A metric value: a number, or one of the strings JSON needs for NaN and the infinities (see series.py).
 Number = Annotated[float, WithJsonSchema({"anyOf": [{"type": "number"},
@@ -196,3 +197,23 @@ class SampleStep(Out):
     step: int
     kind: Literal["train", "eval"]
     count: int
+
+
+def _request_or_bare_config(schema: dict):
+    """The documented body: RunRequest's own shape, or a bare run config."""
+    request = {**schema, "title": "RunRequest", "description": "a run config with its name, tags and max_restarts"}
+    schema.clear()
+    schema.update(title="RunBody", anyOf=[request, {"$ref": request["properties"]["config"]["$ref"]}],
+                  description="a run request ({\"config\": {...}, \"name\": ...}) or a bare run config "
+                              "({\"env\": \"max_digit\"}), whose name, tags and max_restarts take their defaults",
+                  examples=[*RunRequest.model_config["json_schema_extra"]["examples"], {"env": "max_digit"}])
+
+
+class RunBody(RunRequest):
+    """The body of POST /api/v1/runs: a RunRequest, or a bare config (a body without a `config` key), wrapped."""
+    model_config = ConfigDict(json_schema_extra=_request_or_bare_config)
+
+    @model_validator(mode="before")
+    @classmethod
+    def wrap_a_bare_config(cls, data):
+        return {"config": data} if isinstance(data, dict) and "config" not in data else data

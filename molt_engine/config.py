@@ -135,6 +135,8 @@ class AlertsConfig(_Strict):
         description="alert when a trained token is this many versions old (the metric staleness_max reaches it); "
                     "None = never. Formerly alerts.staleness_max")
     mismatch_kl: float = Field(0.05, gt=0, description="alert when the behaviour-vs-recomputed KL exceeds this")
+    no_signal_steps: int | None = Field(10, gt=0, description="alert when this many steps in a row had no learning "
+                                        "signal (grad norm 0, or every reward equal); None = never")
 
 
 class RecordConfig(_Strict):

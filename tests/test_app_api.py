@@ -13,7 +13,7 @@ from starlette.routing import WebSocketRoute
 
 from app.auth import SESSION_COOKIE, load_or_create_token
 from app.series import bucket_extremes
-from app_support import FAST, TOKEN, hook, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
+from app_support import FAST, TOKEN, hook, logged_in, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from sqlmodel import Session, select
 
@@ -396,3 +396,56 @@ def test_patch_renames_annotates_and_archives_and_delete_removes_an_ended_run_wi
     assert operations["patch"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("RunPatch")
     assert "409" in operations["delete"]["responses"]
     assert {"notes", "archived", "best_eval"} <= set(spec["components"]["schemas"]["RunOut"]["properties"])
+
+
+# ---- wide CSV, a bare config as the POST body, the HTML 404 page --------------------------------------------------
+
+def test_the_wide_csv_has_one_row_per_step_and_one_column_per_metric(web):
+    run = new_run(web)
+    sink = sink_for(web, run["id"])
+    n = 3400  # 3 names x 3400 steps: a step's rows straddle the endpoint's 10,000-row chunks
+    for step in range(n):
+        sink.metrics(step, {"a": float(step), "c": -math.inf if step == 7 else 0.5,
+                            **({} if step == 3333 else {"b": math.nan if step == 2 else step / 2})})
+    sink.close()
+    response = web["client"].get(f"/api/v1/runs/{run['id']}/metrics.csv", params={"format": "wide"})
+    assert response.headers["content-type"].startswith("text/csv")
+    assert f"run-{run['id']}-metrics-wide.csv" in response.headers["content-disposition"]
+    lines = response.text.splitlines()
+    assert lines[0] == "step,a,b,c" and len(lines) == 1 + n
+    assert lines[1:4] == ["0,0.0,0.0,0.5", "1,1.0,0.5,0.5", "2,2.0,nan,0.5"] and lines[8] == "7,7.0,3.5,-inf"
+    assert lines[1 + 3333] == "3333,3333.0,,0.5" and lines[-1] == f"{n - 1},{n - 1.0},{(n - 1) / 2},0.5"
+    long = web["client"].get(f"/api/v1/runs/{run['id']}/metrics.csv").text.splitlines()
+    assert long[0] == "step,name,value,time" and len(long) == 1 + 3 * n - 1  # the default stays long
+    assert web["client"].get(f"/api/v1/runs/{run['id']}/metrics.csv", params={"format": "tall"}).status_code == 422
+
+
+def test_post_runs_takes_a_bare_config_as_the_whole_body(web):
+    client = web["client"]
+    bare = client.post("/api/v1/runs", json={"env": "max_digit", "loop": {"steps": 7}})
+    assert bare.status_code == 201, bare.text
+    run = bare.json()
+    assert run["config"]["env"] == "max_digit" and run["total_steps"] == 7 and run["max_restarts"] == 3
+    bad = client.post("/api/v1/runs", json={"env": "max_digit", "loop": {"steps": -5}})
+    assert bad.status_code == 422 and [e["loc"] for e in bad.json()["detail"]] == [["body", "config", "loop", "steps"]]
+    wrapped = client.post("/api/v1/runs", json={"config": {"env": "max_digit"}, "name": "wrapped"})
+    assert wrapped.status_code == 201 and wrapped.json()["name"] == "wrapped"
+    body = client.get("/openapi.json").json()["components"]["schemas"]["RunBody"]
+    assert {"$ref": "#/components/schemas/RunConfig"} in body["anyOf"] and {"env": "max_digit"} in body["examples"]
+
+
+def test_a_missing_page_is_an_html_page_while_the_api_keeps_json_404s(web):
+    browser, _ = logged_in(web)
+    for path, says in [("/no/such/page", "There is no page at /no/such/page"), ("/runs/999999", "no run 999999")]:
+        page = browser.get(path)
+        assert page.status_code == 404 and page.headers["content-type"].startswith("text/html")
+        assert "Page not found" in page.text and says in page.text and 'href="/runs/new"' in page.text
+        assert '<link rel="icon" type="image/png" href="/static/vendor/favicon.png">' in page.text
+    assert 'rel="icon"' in browser.get("/").text and 'rel="icon"' in browser.get("/runs/new").text
+    icon = browser.get("/static/vendor/favicon.png")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/png"
+    for path in ["/api/v1/runs/999999", "/api/v1/no-such-route", "/static/no-such-file.css"]:
+        response = web["client"].get(path)
+        assert response.status_code == 404 and response.headers["content-type"] == "application/json", path
+    stranger = httpx.get(web["base"] + "/no/such/page")  # not signed in: the page says so, with no log out
+    assert stranger.status_code == 404 and "Page not found" in stranger.text and "log out" not in stranger.text

@@ -56,11 +56,12 @@ def test_cli_create_wait_exits_0_when_completed_and_1_when_failed(served, tmp_pa
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     good.write_text(json.dumps(FAST))
     bad.write_text(json.dumps(FAILS))
-    done = runs_cli(served, "create", "--config", str(good), "--wait", "--timeout", "150")
+    done = runs_cli(served, "create", "--config", str(good), "--wait", "--timeout", "150", "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "completed"
 
-    failed = runs_cli(served, "create", "--config", str(bad), "--max-restarts", "0", "--wait", "--timeout", "150")
+    failed = runs_cli(served, "create", "--config", str(bad), "--max-restarts", "0", "--wait", "--timeout", "150",
+                      "--json")
     assert failed.returncode == 1, failed.stderr
     run = json.loads(failed.stdout)
     assert run["status"] == "failed" and "exit code" in run["last_error"]
@@ -81,12 +82,20 @@ def test_cli_bad_config_exits_2_naming_the_field_and_a_timeout_exits_124(served,
     # a queued run behind a long one cannot finish in half a second
     long = tmp_path / "long.json"
     long.write_text(json.dumps({**FAST, "loop": {**FAST["loop"], "steps": 100000}}))
-    result = runs_cli(served, "create", "--config", str(long), "--wait", "--timeout", "0.5")
+    created = runs_cli(served, "create", "--config", str(long), "--name", "long")
+    run_id = int(created.stderr.split("run ")[1].split()[0])
+    # a summary, not the ~130-line record: --json gives that
+    assert created.returncode == 0 and created.stdout.splitlines() == [
+        f"id      {run_id}", "name    long", "status  queued", "env     max_digit", "model   tiny-dense",
+        "steps   0/100000", f"url     {served.base}/runs/{run_id}"]
+    result = runs_cli(served, "wait", str(run_id), "--timeout", "0.5")
     assert result.returncode == 124, result.stderr
-    run_id = int(result.stderr.split("run ")[1].split()[0])
     stopped = runs_cli(served, "stop", str(run_id))
     assert stopped.returncode == 0 and json.loads(stopped.stdout)["status"] in ("stopped", "stopping")
-    assert runs_cli(served, "wait", str(run_id), "--timeout", "60").returncode == 4  # stopped
+    waited = runs_cli(served, "wait", str(run_id), "--timeout", "60")
+    assert waited.returncode == 4 and "status  stopped" in waited.stdout.splitlines()  # stopped
+    full = runs_cli(served, "wait", str(run_id), "--json")
+    assert full.returncode == 4 and json.loads(full.stdout)["config"]["loop"]["steps"] == 100000
     assert runs_cli(served, "--token", "wrong", "list").returncode == 5
 
 

@@ -60,7 +60,8 @@ def test_the_launch_form_shows_each_error_at_its_input_by_the_rules_of_the_api(w
     response = browser.post("/runs/new", data=form)
     assert response.status_code == 422
     errors = dict(re.findall(r'data-field="(\w+)">([^<]*)<', response.text))
-    assert errors["steps"].startswith("loop.steps: ") and errors["lr"].startswith("algo.lr: ")
+    assert errors["steps"].startswith("loop.steps: ") and errors["advanced"].startswith("algo.lr: ")
+    assert "lr" not in errors  # the bad lr came from the advanced JSON: its error is under that box
     assert errors["tags"].startswith("tags: ") and errors["max_restarts"].startswith("max_restarts: ")
     assert 'value="101"' in response.text, "what the user typed is kept"
     assert len(web["records"].list_runs()) == before
