@@ -62,7 +62,7 @@ const MoltSamples = (() => {
     const params = new URLSearchParams(location.search);
     const tokenOf = new WeakMap();  // a token's span -> {ep, i}, for its tooltip
     let prompt = params.get("prompt");
-    let episodes = [], painted = [], cursor = null, total = 0;
+    let episodes = [], painted = [], cursor = null, total = 0, recorded = true;
 
     for (const name of [...FILTERS, "color"]) {
       if (params.has(name)) form.elements[name].value = params.get(name);
@@ -119,8 +119,7 @@ const MoltSamples = (() => {
       count.textContent = total ? `${episodes.length} of ${total} episodes${prompt == null ? ", newest step first" : ""}`
                                 : "";
       if (!episodes.length) {
-        const filtered = [...query().keys()].length > 0;
-        list.append(el("p", {className: "empty"}, filtered ? "No samples match the filters."
+        list.append(el("p", {className: "empty"}, recorded ? "No samples match the filters."
                        : `No samples yet${page.status === "queued" ? ": the run is queued" : ""}. Each step records `
                          + "some of its episodes here once it has trained."));
       } else if (prompt != null) {  // one prompt across steps: a column per step
@@ -281,6 +280,7 @@ const MoltSamples = (() => {
       if (!response.ok) return;
       const select = form.elements.step, wanted = params.get("step");
       const steps = [...new Set((await response.json()).map((s) => s.step))].reverse();  // newest first
+      recorded = steps.length > 0;
       if (wanted != null && !steps.includes(Number(wanted))) steps.unshift(wanted);  // an address keeps its step
       for (const step of steps) select.append(el("option", {value: String(step)}, String(step)));
       if (wanted != null) select.value = wanted;
