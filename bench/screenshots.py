@@ -68,7 +68,7 @@ def main():
                         page.wait_for_selector("#log pre")
                         shoot(page, args.out / f"run-page-{theme}-{size}.png")
                         if theme == "light":
-                            page.goto(f"{child.base}/runs/{run_id}/samples?color=advantage")
+                            page.goto(f"{child.base}/runs/{run_id}/samples?color=logprob")
                             page.wait_for_selector("#samples[data-loaded]")
                             shoot(page, args.out / f"samples-{size}.png")
                             page.goto(f"{child.base}/runs/new")
