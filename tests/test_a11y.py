@@ -35,7 +35,7 @@ CONTRAST = """() => {
     if (!own || ["SCRIPT", "STYLE", "OPTION", "NOSCRIPT"].includes(el.tagName) || !el.checkVisibility({opacityProperty: true, visibilityProperty: true})) continue;
     if (el.closest(":disabled, [hidden], .u-off") || !el.getClientRects().length) continue;
     const style = getComputedStyle(el);
-    let bg = [0, 0, 0, 0], node = el, image = false;
+    let node = el, image = false;
     const layers = [];
     while (node && node.nodeType === 1) {
       const s = getComputedStyle(node);
@@ -44,7 +44,7 @@ CONTRAST = """() => {
       node = node.parentElement;
     }
     if (image) { failures.push({text: el.textContent.trim().slice(0, 40), why: "text over a background image"}); continue; }
-    bg = [255, 255, 255, 1];  // the canvas below the root; the root's own colour is the last layer
+    let bg = [255, 255, 255, 1];  // the canvas below the root; the root's own colour is the last layer
     for (const layer of layers.reverse()) bg = over(layer, bg);
     const fg = over(rgba(style.color), bg);
     const size = parseFloat(style.fontSize), bold = Number(style.fontWeight) >= 700;
