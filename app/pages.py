@@ -202,7 +202,7 @@ def run_page(request: Request, run_id: int):
 def samples_page(request: Request, run_id: int):
     """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
     run = get_run_or_404(request, run_id)
-    return render(request, "samples.html", run=run, page={"run_id": run_id})
+    return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"]})
 
 
 @router.get("/runs/{run_id}/panels/{panel}")

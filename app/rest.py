@@ -329,11 +329,14 @@ def sample_filters(
 @protected.get("/runs/{run_id}/samples", response_model=SamplesOut, responses=with_run, tags=["samples"])
 def samples(request: Request, run_id: RunId, filters: Annotated[dict, Depends(sample_filters)],
             limit: Annotated[int, Query(ge=1, le=500)] = 50,
-            cursor: Annotated[int | None, Query(ge=0, le=2**62, description="next_cursor of the previous page")] = None):
-    """Recorded episodes (each step's sample of its trained episodes, and each eval's), oldest first, with every
-    token's numbers."""
-    rows = found(records_of(request).samples, run_id, **filters, limit=limit, cursor=cursor)
-    return {"run_id": run_id, "samples": rows, "next_cursor": rows[-1]["id"] if len(rows) == limit else None}
+            cursor: Annotated[int | None, Query(ge=0, le=2**62, description="next_cursor of the previous page")] = None,
+            order: Literal["oldest", "newest"] = "oldest"):
+    """Recorded episodes (each step's sample of its trained episodes, and each eval's), oldest or newest first, with
+    every token's numbers, and how many pass the filters in all."""
+    records = records_of(request)
+    rows = found(records.samples, run_id, **filters, limit=limit, cursor=cursor, newest_first=order == "newest")
+    return {"run_id": run_id, "samples": rows, "next_cursor": rows[-1]["id"] if len(rows) == limit else None,
+            "total": records.count_samples(run_id, **filters)}
 
 
 @protected.get("/runs/{run_id}/samples.jsonl", tags=["samples"], responses={

@@ -191,6 +191,7 @@ class SamplesOut(Out):
     run_id: int
     samples: list[SampleOut]
     next_cursor: int | None = Field(description="pass as `cursor` for the next page; null on the last page")
+    total: int = Field(description="how many recorded episodes pass the filters, on every page")
 
 
 class SampleStep(Out):

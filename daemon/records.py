@@ -251,11 +251,30 @@ class Records:
         return self._rows(run_id, select(PolicyVersion).where(PolicyVersion.run_id == run_id)
                           .order_by(PolicyVersion.version), None)
 
-    def samples(self, run_id: int, step: int | None = None, kind: str | None = None, min_reward: float | None = None,
-                passed: bool | None = None, tool_errors: bool | None = None, q: str | None = None,
-                prompt: str | None = None, limit: int = 50, cursor: int | None = None) -> list[dict]:
-        """Recorded episodes in the order they were recorded, filtered; `cursor` is the id of the last one already
-        seen. `q` matches the episode's text (case-insensitive for ASCII), `prompt` its prompt exactly."""
+    def samples(self, run_id: int, limit: int = 50, cursor: int | None = None, newest_first: bool = False,
+                **filters) -> list[dict]:
+        """Recorded episodes in the order they were recorded (or newest first), filtered (`sample_query`); `cursor`
+        is the id of the last one already seen."""
+        query = self.sample_query(run_id, **filters)
+        if cursor is not None:
+            query = query.where(Sample.id < cursor if newest_first else Sample.id > cursor)
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            order = Sample.id.desc() if newest_first else Sample.id
+            return [_dict(r) for r in s.scalars(query.order_by(order).limit(limit))]
+
+    def count_samples(self, run_id: int, **filters) -> int:
+        """How many recorded episodes pass the filters (`sample_query`)."""
+        with Session(self.engine) as s:
+            self._get(s, run_id)
+            return s.scalar(select(func.count()).select_from(self.sample_query(run_id, **filters).subquery()))
+
+    @staticmethod
+    def sample_query(run_id: int, step: int | None = None, kind: str | None = None, min_reward: float | None = None,
+                     passed: bool | None = None, tool_errors: bool | None = None, q: str | None = None,
+                     prompt: str | None = None):
+        """The run's episodes that pass the filters: `q` matches the episode's text (case-insensitive for ASCII),
+        `prompt` its prompt exactly."""
         query = select(Sample).where(Sample.run_id == run_id)
         if step is not None:
             query = query.where(Sample.step == step)
@@ -271,11 +290,7 @@ class Records:
             query = query.where(Sample.text.contains(q, autoescape=True))
         if prompt is not None:
             query = query.where(Sample.prompt == prompt)
-        if cursor is not None:
-            query = query.where(Sample.id > cursor)
-        with Session(self.engine) as s:
-            self._get(s, run_id)
-            return [_dict(r) for r in s.scalars(query.order_by(Sample.id).limit(limit))]
+        return query
 
     def sample_steps(self, run_id: int) -> list[dict]:
         """The steps that have samples: {step, kind, count}, by step."""

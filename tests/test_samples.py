@@ -150,15 +150,19 @@ def test_rest_filters_pages_and_exports_the_samples(recorded):
         evals = [r for r in rows if r["kind"] == "eval"]
         got = client.get(url, params={"prompt": evals[0]["prompt"], "kind": "eval"}).json()["samples"]
         assert len({r["step"] for r in got}) >= 2  # the same held-out prompt at every eval
-        # pages: the cursor walks through everything once, in order
-        seen, cursor = [], None
-        while True:
-            page = client.get(url, params={"limit": 7, **({"cursor": cursor} if cursor else {})}).json()
-            seen += [r["id"] for r in page["samples"]]
-            cursor = page["next_cursor"]
-            if cursor is None:
-                break
-        assert seen == [r["id"] for r in rows]
+        # pages: the cursor walks through everything once, in order (oldest or newest first); each page has the total
+        for order in ("oldest", "newest"):
+            seen, cursor = [], None
+            while True:
+                page = client.get(url, params={"limit": 7, "order": order,
+                                               **({"cursor": cursor} if cursor else {})}).json()
+                seen += [r["id"] for r in page["samples"]]
+                assert page["total"] == len(rows)
+                cursor = page["next_cursor"]
+                if cursor is None:
+                    break
+            assert seen == [r["id"] for r in (rows if order == "oldest" else rows[::-1])]
+        assert client.get(url, params={"kind": "eval"}).json()["total"] == len(evals)
         export = client.get(f"/api/v1/runs/{run_id}/samples.jsonl", params={"kind": "train"})
         assert export.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in export.text.splitlines()]

@@ -1,6 +1,8 @@
 """The Samples view in Debian's Chromium driven by Playwright. On a finished `molt serve` run (max_staleness 2):
 every colouring's per-token values match the REST payload, the staleness colouring shows an episode whose action
-tokens carry several versions, filters and one prompt across steps work. A policy taught to write <script> and an
+tokens carry several versions, filters and one prompt across steps work; newest step first with a total, search hits
+marked, a keyboard-reachable token tooltip, one meaning per colour scale, a legend for all-zero values, the step kept
+in the URL, "no samples yet" for a queued run. A policy taught to write <script> and an
 onerror attribute: its text shows as characters, no dialog opens, no script runs. Screenshots go to test-artifacts/."""
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -54,14 +56,21 @@ def test_colourings_match_the_api_and_staleness_shows_mixed_versions(tmp_path_fa
         run = served.create(STALE, name="samples")
         assert served.wait(run["id"], timeout=300)["status"] == "completed"
         api = f"/api/v1/runs/{run['id']}/samples"
-        first_page = served.client.get(api).json()["samples"]
+        newest = served.client.get(api, params={"order": "newest"}).json()
+        first_page = newest["samples"]
         rows = served.client.get(api, params={"limit": 500}).json()["samples"]
 
         page.goto(served.url)
         page.goto(f"{served.base}/runs/{run['id']}")
-        page.click(f"a[href='/runs/{run['id']}/samples']")
+        page.click(f"nav.tabs a[href='/runs/{run['id']}/samples']")  # the run page's Samples tab
         loaded(page)
         assert page.locator("#samples article.episode").count() == len(first_page)
+        # newest step first, with how many there are in all
+        steps_shown = page.locator("#samples article.episode").evaluate_all("a => a.map(e => Number(e.dataset.step))")
+        assert steps_shown == sorted(steps_shown, reverse=True) and steps_shown[0] == max(s["step"] for s in rows)
+        expect(page.locator("#samples-count")).to_have_text(
+            f"{len(first_page)} of {newest['total']} episodes, newest step first")
+        assert newest["total"] == len(rows) > len(first_page)
 
         # 1. a trained episode with the trainer's numbers: each colouring's values are the API's, token by token
         sample = next(s for s in first_page if s["kind"] == "train" and s["advantage"]
@@ -77,9 +86,24 @@ def test_colourings_match_the_api_and_staleness_shows_mixed_versions(tmp_path_fa
             assert f"color={coloring}" in page.url
         print(f"\nsamples: episode {sample['id']}: {len(expected(sample, 'logprob'))} action tokens, 5 colourings "
               "equal to the API's values")
+        # one colour meaning per scale: advantage is orange above zero and blue below, never red
+        page.select_option("#sample-filters select[name=color]", "advantage")
+        colour = article.locator(".tok.act").first.evaluate("e => e.style.backgroundColor.match(/\\d+/g).map(Number)")
+        assert (colour[0] > colour[2]) == (sample["advantage"] > 0), colour
+
+        # the tooltip by keyboard: the episode's one tab stop, then the arrow keys to its first action token
         i = sample["tokens"]["action"].index(True)
-        title = article.locator(".tok.act").first.get_attribute("title")
-        assert f"token id {sample['tokens']['id'][i]}" in title and f"version {sample['tokens']['version'][i]}" in title
+        article.locator(".tok").first.focus()
+        for _ in range(i):
+            page.keyboard.press("ArrowRight")
+        tip = page.locator("#tok-tip")
+        expect(tip).to_be_visible()
+        assert f"token id {sample['tokens']['id'][i]}" in tip.inner_text()
+        assert f"version {sample['tokens']['version'][i]}" in tip.inner_text()
+        assert page.evaluate("document.activeElement.getAttribute('aria-describedby')") == "tok-tip"
+        assert article.locator(".tok[tabindex='0']").count() == 1  # roving: still one tab stop per episode
+        page.keyboard.press("Escape")
+        expect(tip).to_be_hidden()
 
         # 2. max_staleness 2: an episode whose action tokens carry at least 2 versions, seen in the staleness colours
         mixed = [s for s in rows if s["kind"] == "train"
@@ -89,6 +113,8 @@ def test_colourings_match_the_api_and_staleness_shows_mixed_versions(tmp_path_fa
         shown = mixed[0]
         page.goto(f"{served.base}/runs/{run['id']}/samples?step={shown['step']}&kind=train&color=staleness")
         loaded(page)
+        assert f"step={shown['step']}" in page.url  # the address keeps its step
+        assert page.locator("#sample-filters select[name=step]").input_value() == str(shown["step"])
         staleness = action_values(page, shown["id"])
         assert staleness == expected(shown, "staleness") and len(set(staleness)) >= 2
         colours = page.locator(f"article[data-id='{shown['id']}'] .tok.act").evaluate_all(
@@ -102,15 +128,26 @@ def test_colourings_match_the_api_and_staleness_shows_mixed_versions(tmp_path_fa
         loaded(page)
         page.select_option("#sample-filters select[name=passed]", "false")
         loaded(page)
-        failed = served.client.get(api, params={"passed": False}).json()["samples"]
+        failed = served.client.get(api, params={"passed": False, "order": "newest"}).json()["samples"]
         assert shown_ids(page) == [s["id"] for s in failed] and page.locator("#samples article.pass").count() == 0
         page.fill("#sample-filters input[name=q]", "lower")
         page.press("#sample-filters input[name=q]", "Enter")
         loaded(page)
-        found = served.client.get(api, params={"passed": False, "q": "lower"}).json()["samples"]
+        found = served.client.get(api, params={"passed": False, "q": "lower", "order": "newest"}).json()["samples"]
         assert shown_ids(page) == [s["id"] for s in found]
         assert all("lower" in t for t in page.locator("#samples article.episode").all_inner_texts())
+        hits = page.locator("#samples article.episode").evaluate_all(
+            "a => a.map(e => [...e.querySelectorAll('.tok.hit')].map(t => t.textContent).join(''))")
+        assert found and all("lower" in h.lower() for h in hits), hits  # each episode's hits spell the search
         assert "passed=false" in page.url and "q=lower" in page.url
+
+        # every value 0 (an eval samples with the trainer's own version): the legend says so, its range reads 0 to 1
+        page.goto(f"{served.base}/runs/{run['id']}/samples?kind=eval&color=staleness")
+        loaded(page)
+        expect(page.locator("#legend .note")).to_have_text("every token on this page: 0")
+        assert page.locator("#legend .lo").inner_text() == "0" and page.locator("#legend .hi").inner_text() == "1"
+        page.select_option("#sample-filters select[name=color]", "advantage")  # eval episodes have no advantage
+        expect(page.locator("#legend .note")).to_have_text("no token on this page has a value")
 
         # one prompt across steps: an eval prompt, side by side at every eval step
         page.goto(f"{served.base}/runs/{run['id']}/samples?kind=eval")
@@ -157,6 +194,7 @@ def test_model_text_that_is_html_shows_as_text_and_nothing_runs(tmp_path, page, 
         sink.close()
     with records.engine.begin() as conn:
         set_run(conn, run["id"], status="completed")
+    queued = records.create_run(config, name="queued")  # no daemon here: it stays queued
     emitted = [s for s in records.samples(run["id"], limit=100) if PAYLOAD in s["text"].removeprefix(s["prompt"])]
     assert emitted, "the policy did not learn to write the payload"
 
@@ -174,3 +212,10 @@ def test_model_text_that_is_html_shows_as_text_and_nothing_runs(tmp_path, page, 
         assert page.evaluate("window.__ran") is None
         assert dialogs == []
         screenshot(page, "samples-html-as-text.png")
+
+        # a queued run: no samples yet, said so; the address keeps the step it was given
+        page.goto(f"{base}/runs/{queued['id']}/samples?step=3")
+        loaded(page)
+        expect(page.locator("#samples .empty")).to_have_text(
+            "No samples yet: the run is queued. Each step records some of its episodes here once it has trained.")
+        assert page.url.endswith("?step=3") and page.locator("#samples-count").inner_text() == ""

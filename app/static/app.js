@@ -65,6 +65,9 @@ const Molt = (() => {
     return out;
   }
 
+  // The theme's colours (app.css): the header's toggle redraws the charts with them (the molt-theme event).
+  const cssVar = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+
   function alpha(hex, a) {
     const n = parseInt(hex.slice(1), 16);
     return `rgba(${n >> 16}, ${(n >> 8) & 255}, ${n & 255}, ${a})`;
@@ -77,6 +80,7 @@ const Molt = (() => {
     const view = {x: params.get("x") === "time" ? "time" : "step",
                   smooth: Math.min(0.99, Math.max(0, Number(params.get("smooth") ?? 0.6) || 0)),
                   log: params.get("log") === "1"};
+    document.addEventListener("molt-theme", onChange);
     form.x.value = view.x; form.smooth.value = view.smooth; form.smooth_out.value = view.smooth; form.log.checked = view.log;
     form.addEventListener("input", () => {
       view.x = form.x.value; view.smooth = Number(form.smooth.value); view.log = form.log.checked;
@@ -122,7 +126,8 @@ const Molt = (() => {
         const scale = l.scale || "y";
         if (smooth && !l.dash) {
           cols.push(ema(raw, view.smooth));
-          series.push({label: `${l.label} (raw)`, stroke: alpha(l.color, 0.25), width: 1, spanGaps: true, scale},
+          series.push({label: `${l.label} (raw)`, stroke: alpha(l.color, Number(cssVar("--raw-alpha"))), width: 1,
+                       spanGaps: true, scale},
                       {label: l.label, stroke: l.color, width: 2, spanGaps: true, scale});
         } else {
           series.push({label: l.label, stroke: l.color, width: l.dash ? 1.5 : 2, dash: l.dash ? [6, 4] : undefined,
@@ -142,12 +147,12 @@ const Molt = (() => {
       this.shape = shape;
       const distr = view.log ? 3 : 1;
       const width = Math.max(300, this.root.clientWidth - 16);
-      const self = this;
+      const self = this, axis = cssVar("--axis"), grid = cssVar("--grid");
       this.plot = new uPlot({
         width, height: 220, series,
         scales: {x: {time: view.x === "time"}, y: {distr}, ...(y2 ? {y2: {distr}} : {})},
-        axes: [{}, {size: 60, values: tickLabels},
-               ...(y2 ? [{scale: "y2", side: 1, grid: {show: false}, size: 60, values: tickLabels}] : [])],
+        axes: [{stroke: axis, grid: {stroke: grid}}, {size: 60, values: tickLabels, stroke: axis, grid: {stroke: grid}},
+               ...(y2 ? [{scale: "y2", side: 1, grid: {show: false}, size: 60, values: tickLabels, stroke: axis}] : [])],
         legend: {live: true},
         hooks: {draw: [(u) => self.drawMarks(u)]},
       }, data, this.root.querySelector(".plot"));
@@ -166,7 +171,7 @@ const Molt = (() => {
       for (const h of this.hlines || []) {
         const y = u.valToPos(h.y, "y", true);
         if (!Number.isFinite(y) || y < u.bbox.top || y > u.bbox.top + u.bbox.height) continue;
-        ctx.strokeStyle = "#111827"; ctx.setLineDash([8 * devicePixelRatio, 4 * devicePixelRatio]);
+        ctx.strokeStyle = cssVar("--fg"); ctx.setLineDash([8 * devicePixelRatio, 4 * devicePixelRatio]);
         ctx.beginPath(); ctx.moveTo(u.bbox.left, y); ctx.lineTo(u.bbox.left + u.bbox.width, y); ctx.stroke();
       }
       ctx.restore();

@@ -5,10 +5,12 @@
 const MoltSamples = (() => {
   const FILTERS = ["step", "kind", "min_reward", "passed", "tool_errors", "q"];
   const PAGE = 50;
-  // Per colouring: an action token's value, and its colour given the range of the values on the page.
+  // Per colouring: an action token's value, and its colour given the range of the values on the page. One meaning
+  // per scale: purple = more (entropy, staleness; improbable for the probability), blue/orange = below/above zero.
+  // Every colour is light enough for dark text (#111827) at >= 4.5:1, in either theme.
   const COLORINGS = {
     logprob: {label: "behaviour probability", value: (ep, i) => ep.tokens.logprob[i],
-              scale: () => ({lo: 0, hi: 1, color: (v) => sequential(Math.exp(v), true), labels: ["p=0", "p=1"]})},
+              scale: () => ({lo: 0, hi: 1, color: (v) => sequential(1 - Math.exp(v)), labels: ["p=0", "p=1"]})},
     entropy: {label: "entropy (nats)", value: (ep, i) => ep.tokens.entropy[i], scale: (values) => upTo(values)},
     advantage: {label: "advantage", value: (ep) => ep.advantage, scale: (values) => symmetric(values)},
     staleness: {label: "staleness (trainer version − token version)",
@@ -18,22 +20,26 @@ const MoltSamples = (() => {
                                   : ep.tokens.logprob[i] - ep.tokens.trainer_logprob[i])},
   };
 
-  // t in [0, 1]: red to green when `highIsGood`, green to red otherwise.
-  function sequential(t, highIsGood) {
+  const PALE = [248, 250, 252], PURPLE = [192, 132, 252], BLUE = [147, 197, 253], ORANGE = [253, 186, 116];
+
+  function mix(from, to, t) {
     const x = Math.min(1, Math.max(0, t));
-    return `hsl(${Math.round(120 * (highIsGood ? x : 1 - x))}, 75%, 75%)`;
+    return `rgb(${from.map((c, k) => Math.round(c + (to[k] - c) * x)).join(", ")})`;
   }
 
+  const sequential = (t) => mix(PALE, PURPLE, t);
+
+  // 0 up to the page's largest value (1 when every value is 0, so that 0 is pale and the legend reads 0 to 1).
   function upTo(values) {
-    const hi = Math.max(1e-9, ...values);
-    return {lo: 0, hi, color: (v) => sequential(v / hi, false), labels: ["0", fmt(hi)]};
+    const hi = Math.max(0, ...values) || 1;
+    return {lo: 0, hi, color: (v) => sequential(v / hi), labels: ["0", fmt(hi)]};
   }
 
-  // Blue below zero, red above, white at zero.
+  // Blue below zero, orange above, pale at zero; symmetric around zero (±1 when every value is 0).
   function symmetric(values) {
-    const m = Math.max(1e-9, ...values.map(Math.abs));
+    const m = Math.max(0, ...values.map(Math.abs)) || 1;
     return {lo: -m, hi: m, labels: [fmt(-m), fmt(m)],
-            color: (v) => (v < 0 ? `rgba(37, 99, 235, ${Math.min(1, -v / m)})` : `rgba(220, 38, 38, ${Math.min(1, v / m)})`)};
+            color: (v) => (v < 0 ? mix(PALE, BLUE, -v / m) : mix(PALE, ORANGE, v / m))};
   }
 
   const fmt = (v) => (v == null ? "—" : Number.isInteger(v) ? String(v) : Number(v).toPrecision(4));
@@ -48,12 +54,15 @@ const MoltSamples = (() => {
     const form = document.getElementById("sample-filters");
     const list = document.getElementById("samples");
     const more = document.getElementById("samples-more");
+    const count = document.getElementById("samples-count");
     const error = document.getElementById("samples-error");
     const promptBar = document.getElementById("prompt-filter");
+    const tip = document.getElementById("tok-tip");
     const base = `/api/v1/runs/${page.run_id}`;
     const params = new URLSearchParams(location.search);
+    const tokenOf = new WeakMap();  // a token's span -> {ep, i}, for its tooltip
     let prompt = params.get("prompt");
-    let episodes = [], painted = [], cursor = null;
+    let episodes = [], painted = [], cursor = null, total = 0, recorded = true;
 
     for (const name of [...FILTERS, "color"]) {
       if (params.has(name)) form.elements[name].value = params.get(name);
@@ -83,6 +92,7 @@ const MoltSamples = (() => {
       delete list.dataset.loaded;
       const q = query();
       q.set("limit", PAGE);
+      q.set("order", prompt == null ? "newest" : "oldest");  // one prompt across steps reads left to right
       if (cursor != null) q.set("cursor", cursor);
       const response = await fetch(`${base}/samples?${q}`);
       const body = await response.json();
@@ -95,6 +105,7 @@ const MoltSamples = (() => {
       error.hidden = true;
       episodes = episodes.concat(body.samples);
       cursor = body.next_cursor;
+      total = body.total;
       more.hidden = cursor == null;
       render();
       list.dataset.loaded = String(episodes.length);  // for tests: the page shows what the API returned
@@ -102,10 +113,15 @@ const MoltSamples = (() => {
 
     function render() {
       painted = [];
+      hideTip();
       list.replaceChildren();
       list.classList.toggle("by-step", prompt != null);
+      count.textContent = total ? `${episodes.length} of ${total} episodes${prompt == null ? ", newest step first" : ""}`
+                                : "";
       if (!episodes.length) {
-        list.append(el("p", {className: "empty"}, "No samples match."));
+        list.append(el("p", {className: "empty"}, recorded ? "No samples match the filters."
+                       : `No samples yet${page.status === "queued" ? ": the run is queued" : ""}. Each step records `
+                         + "some of its episodes here once it has trained."));
       } else if (prompt != null) {  // one prompt across steps: a column per step
         const columns = new Map();
         for (const ep of episodes) {
@@ -148,7 +164,7 @@ const MoltSamples = (() => {
       }
       // Chat turns: runs of action tokens are the assistant's; the first other run is the prompt, later ones the
       // env's answers (a tool's when the episode called tools).
-      const t = ep.tokens;
+      const t = ep.tokens, spans = [];
       let turn = null;
       for (let i = 0; i < t.id.length; i++) {
         if (turn == null || t.action[i] !== t.action[i - 1]) {
@@ -156,12 +172,30 @@ const MoltSamples = (() => {
           turn = el("div", {className: "body"});
           article.append(el("div", {className: `turn ${role}`}, el("span", {className: "role"}, role), turn));
         }
-        const span = el("span", {className: t.action[i] ? "tok act" : "tok"}, t.text[i]);
-        span.title = tooltip(ep, i);
+        // one tab stop per episode (roving focus): the arrow keys move between its tokens, each shows its tooltip
+        const span = el("span", {className: t.action[i] ? "tok act" : "tok", tabIndex: i === 0 ? 0 : -1}, t.text[i]);
+        tokenOf.set(span, {ep, i});
         if (t.action[i]) painted.push({span, ep, i});
+        spans.push(span);
         turn.append(span);
       }
+      highlight(spans, t.text);
       return article;
+    }
+
+    // The search's hits: every token that overlaps an occurrence of the text (case-insensitive, as the search).
+    function highlight(spans, texts) {
+      const needle = form.elements.q.value.trim().toLowerCase();
+      if (!needle) return;
+      const starts = [];
+      let joined = "";
+      for (const text of texts) { starts.push(joined.length); joined += text; }
+      joined = joined.toLowerCase();
+      for (let at = joined.indexOf(needle); at >= 0; at = joined.indexOf(needle, at + 1)) {
+        spans.forEach((span, k) => {
+          if (starts[k] < at + needle.length && starts[k] + texts[k].length > at) span.classList.add("hit");
+        });
+      }
     }
 
     function tooltip(ep, i) {
@@ -172,9 +206,44 @@ const MoltSamples = (() => {
                    `version ${t.version[i]}  staleness ${ep.version - t.version[i]}`,
                    `entropy ${fmt(t.entropy[i])}  advantage ${fmt(ep.advantage)}`,
                    `mismatch ${fmt(COLORINGS.mismatch.value(ep, i))}`);
+      } else {
+        lines.push("prompt or env token (not trained on)");
       }
       return lines.join("\n");
     }
+
+    function showTip(span) {
+      const {ep, i} = tokenOf.get(span);
+      tip.textContent = tooltip(ep, i);
+      tip.hidden = false;
+      const box = span.getBoundingClientRect();
+      tip.style.left = `${Math.max(4, Math.min(box.left, innerWidth - tip.offsetWidth - 8)) + scrollX}px`;
+      tip.style.top = `${box.bottom + scrollY + 4}px`;
+      span.setAttribute("aria-describedby", "tok-tip");
+    }
+
+    function hideTip() {
+      tip.hidden = true;
+      list.querySelector("[aria-describedby=tok-tip]")?.removeAttribute("aria-describedby");
+    }
+
+    list.addEventListener("mouseover", (e) => { if (tokenOf.has(e.target)) showTip(e.target); });
+    list.addEventListener("mouseout", (e) => { if (tokenOf.has(e.target) && document.activeElement !== e.target) hideTip(); });
+    list.addEventListener("focusin", (e) => { if (tokenOf.has(e.target)) showTip(e.target); });
+    list.addEventListener("focusout", hideTip);
+    list.addEventListener("keydown", (e) => {
+      if (!tokenOf.has(e.target)) return;
+      if (e.key === "Escape") { hideTip(); return; }
+      const tokens = [...e.target.closest("article").querySelectorAll(".tok")];
+      const k = tokens.indexOf(e.target);
+      const to = {ArrowRight: k + 1, ArrowDown: k + 1, ArrowLeft: k - 1, ArrowUp: k - 1, Home: 0,
+                  End: tokens.length - 1}[e.key];
+      if (to === undefined || !tokens[to]) return;
+      e.preventDefault();
+      e.target.tabIndex = -1;
+      tokens[to].tabIndex = 0;
+      tokens[to].focus();
+    });
 
     function paint() {
       const name = form.elements.color.value;
@@ -182,19 +251,24 @@ const MoltSamples = (() => {
       const legend = document.getElementById("legend");
       legend.hidden = !coloring;
       if (!coloring) {
-        for (const {span} of painted) { span.style.background = ""; delete span.dataset.value; }
+        for (const {span} of painted) { span.style.background = span.style.color = ""; delete span.dataset.value; }
         return;
       }
       const values = painted.map(({ep, i}) => coloring.value(ep, i));
-      const scale = coloring.scale(values.filter((v) => v != null));
+      const known = values.filter((v) => v != null);
+      const scale = coloring.scale(known);
       painted.forEach(({span}, k) => {
         const v = values[k];
         span.dataset.value = v == null ? "" : String(v);
         span.style.background = v == null ? "" : scale.color(v);
+        span.style.color = v == null ? "" : "#111827";  // the scales' colours are all light
       });
+      const distinct = new Set(known);
       legend.querySelector(".name").textContent = coloring.label;
       legend.querySelector(".lo").textContent = scale.labels[0];
       legend.querySelector(".hi").textContent = scale.labels[1];
+      legend.querySelector(".note").textContent = !known.length ? "no token on this page has a value"
+        : distinct.size === 1 ? `every token on this page: ${fmt(known[0])}` : "";
       const stops = [0, 0.25, 0.5, 0.75, 1].map((f) => scale.color(name === "logprob" ? Math.log(Math.max(f, 1e-9))
                                                                    : scale.lo + f * (scale.hi - scale.lo)));
       legend.querySelector(".bar").style.background = `linear-gradient(to right, ${stops.join(", ")})`;
@@ -205,9 +279,10 @@ const MoltSamples = (() => {
       const response = await fetch(`${base}/samples/steps`);
       if (!response.ok) return;
       const select = form.elements.step, wanted = params.get("step");
-      for (const step of [...new Set((await response.json()).map((s) => s.step))]) {
-        select.append(el("option", {value: String(step)}, String(step)));
-      }
+      const steps = [...new Set((await response.json()).map((s) => s.step))].reverse();  // newest first
+      recorded = steps.length > 0;
+      if (wanted != null && !steps.includes(Number(wanted))) steps.unshift(wanted);  // an address keeps its step
+      for (const step of steps) select.append(el("option", {value: String(step)}, String(step)));
       if (wanted != null) select.value = wanted;
     }
 
@@ -218,8 +293,7 @@ const MoltSamples = (() => {
     });
     promptBar.querySelector("button").addEventListener("click", () => { prompt = null; remember(); load(true); });
     more.addEventListener("click", () => load(false));
-    remember();
-    loadSteps().then(() => load(true));
+    loadSteps().then(() => { remember(); load(true); });  // after the steps: the URL's step is an option by then
   }
 
   return {start};

@@ -1,0 +1,84 @@
+"""The dashboard's screenshots for docs/screenshots/: runs list, run page (light and dark), samples view and launch
+form, each at 1440x900 and 390x844, from `molt serve` on a temporary home with two small finished runs.
+
+    python bench/screenshots.py [--out docs/screenshots]
+
+Needs Debian's Chromium (/usr/bin/chromium) and Playwright. Each PNG is the viewport (not the whole page), reduced
+to 256 colours so that it stays small (~100-200 KB).
+"""
+import argparse
+import tempfile
+from pathlib import Path
+
+from app_common import ROOT, Child
+
+import httpx  # noqa: E402
+from PIL import Image  # noqa: E402
+from playwright.sync_api import sync_playwright  # noqa: E402
+
+RUNS = {  # a text run with evals, and a shorter one beside it in the list
+    "max-digit-demo": {"env": "max_digit", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
+                       "loop": {"steps": 12, "groups_per_step": 2, "group_size": 4, "eval_every": 4,
+                                "eval_episodes": 2}},
+    "guess-number-demo": {"env": "guess_number", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
+                          "loop": {"steps": 6, "groups_per_step": 2, "group_size": 3, "eval_every": 0}},
+}
+SIZES = {"1440": {"width": 1440, "height": 900}, "390": {"width": 390, "height": 844}}
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+
+
+def shoot(page, path: Path):
+    page.screenshot(path=str(path))
+    Image.open(path).convert("RGB").quantize(256).save(path, optimize=True)
+    print(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {path.stat().st_size // 1024} KB")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screenshots")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as home:
+        child = Child("serve", Path(home))
+        try:
+            client = httpx.Client(base_url=child.base, headers={"Authorization": f"Bearer {child.token}"}, timeout=60)
+            ids = []
+            for name, config in RUNS.items():
+                response = client.post("/api/v1/runs", json={"config": config, "name": name})
+                response.raise_for_status()
+                ids.append(response.json()["id"])
+            for run_id in ids:  # /wait answers when the run ends, or after 30 s
+                run = {"status": "queued"}
+                while run["status"] in ("queued", "running", "restarting", "stopping"):
+                    run = client.get(f"/api/v1/runs/{run_id}/wait", params={"timeout": 30}).json()
+                print(f"run {run_id}: {run['status']} at step {run['step']}")
+            run_id = ids[0]
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+                for size, viewport in SIZES.items():
+                    for theme in ("light", "dark"):
+                        context = browser.new_context(viewport=viewport, color_scheme=theme)
+                        page = context.new_page()
+                        page.goto(f"{child.base}/?token={child.token}")
+                        page.wait_for_selector("table")
+                        if theme == "light":
+                            shoot(page, args.out / f"runs-list-{size}.png")
+                        page.goto(f"{child.base}/runs/{run_id}")
+                        page.wait_for_selector("#chart-reward:not([hidden]) canvas")
+                        page.wait_for_selector("#log pre")
+                        shoot(page, args.out / f"run-page-{theme}-{size}.png")
+                        if theme == "light":
+                            page.goto(f"{child.base}/runs/{run_id}/samples?color=logprob")
+                            page.wait_for_selector("#samples[data-loaded]")
+                            shoot(page, args.out / f"samples-{size}.png")
+                            page.goto(f"{child.base}/runs/new")
+                            page.wait_for_selector("#launch-form")
+                            shoot(page, args.out / f"launch-form-{size}.png")
+                        context.close()
+                browser.close()
+        finally:
+            child.stop()
+
+
+if __name__ == "__main__":
+    main()
