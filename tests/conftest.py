@@ -10,6 +10,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+# Browser test modules are named test_ui*.py: pytest-playwright's sync API keeps an event loop running in the main
+# thread from the first browser test to the end of the session, and asyncio.run() refuses to start inside it, so
+# they run after the modules that use asyncio.run.
 @pytest.fixture(scope="session")
 def browser_type_launch_args(browser_type_launch_args):
     # pytest-playwright cannot find the system browser by itself, and its own download host is unreachable
