@@ -1,7 +1,8 @@
 """The agent path vs the env path on the same task: the calculator agent (the OpenAI SDK against the run's loopback
 server) vs the chat calculator env, on the same warm-started tiny-chat policy, 64 episodes at once. The agent runs
-twice: with `ctx.http_client` (the endpoint in process, as the built-in agent uses it) and with a client of its own
-over 127.0.0.1 (as a framework that makes its own client).
+on Chat Completions with `ctx.http_client` (the endpoint in process, as the built-in agent uses it) and with a client
+of its own over 127.0.0.1 (as a framework that makes its own client), on the Responses API (in process) and on
+Anthropic's Messages API (the anthropic SDK, over 127.0.0.1: it brings its own HTTP client).
 
     python bench/agents.py --steps 12 --rounds 5
 
@@ -17,19 +18,24 @@ errors; then for each agent path the median of the per-round ratios agent/env sa
 """
 import argparse
 import dataclasses
+import json
+import random
 import ssl
 import statistics
 import tempfile
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import torch
 from chat_learning import warm_started
 from chat_overhead import Rates
 
 from molt_engine import register, train
 from molt_engine.config import AlgoConfig
-from molt_engine.serving.agents import CalculatorAgent
+from molt_engine.envs import _parse_int, calculator, calculator_question
+from molt_engine.serving.agents import CALCULATOR, CalculatorAgent
 
 IN_FLIGHT = 64
 TLS = ssl.create_default_context()  # one for all clients: the SDK's own client makes one each (~25 ms)
@@ -43,6 +49,60 @@ class SocketCalculatorAgent(CalculatorAgent):
     async def run(self, ctx):
         async with httpx.AsyncClient(verify=TLS, trust_env=False) as http:
             return await super().run(dataclasses.replace(ctx, http_client=http))
+
+
+@register
+class ResponsesCalculatorAgent(CalculatorAgent):
+    """The calculator agent on the Responses API: its input items grow by the output items and the call outputs."""
+    name = "calculator_agent_responses"
+
+    async def run(self, ctx):
+        a, op, b, value = calculator_question(random.Random(ctx.seed))
+        items = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
+        tool = {"type": "function", **CALCULATOR["function"]}
+        for _ in range(self.max_turns):
+            reply = await client.responses.create(model=ctx.model, input=items, tools=[tool],
+                                                  max_output_tokens=self.max_tokens)
+            items += [o.model_dump(exclude_none=True) for o in reply.output]
+            calls = [o for o in reply.output if o.type == "function_call"]
+            if not calls:
+                return float(_parse_int(reply.output_text) == value)
+            items += [{"type": "function_call_output", "call_id": c.call_id, "output": tool_result(c.arguments)}
+                      for c in calls]
+        return 0.0
+
+
+@register
+class MessagesCalculatorAgent(CalculatorAgent):
+    """The calculator agent on Anthropic's Messages API, through the anthropic SDK over 127.0.0.1."""
+    name = "calculator_agent_messages"
+
+    async def run(self, ctx):
+        a, op, b, value = calculator_question(random.Random(ctx.seed))
+        messages = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
+        tool = CALCULATOR["function"]
+        tools = [{"name": tool["name"], "description": tool["description"], "input_schema": tool["parameters"]}]
+        async with anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key) as client:
+            for _ in range(self.max_turns):
+                reply = await client.messages.create(model=ctx.model, max_tokens=self.max_tokens, messages=messages,
+                                                     tools=tools)
+                messages.append({"role": "assistant",
+                                 "content": [block.model_dump(exclude_none=True) for block in reply.content]})
+                calls = [block for block in reply.content if block.type == "tool_use"]
+                if not calls:
+                    return float(_parse_int("".join(x.text for x in reply.content if x.type == "text")) == value)
+                messages.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": c.id, "content": tool_result(json.dumps(c.input))}
+                    for c in calls]})
+        return 0.0
+
+
+def tool_result(arguments: str) -> str:
+    try:
+        return calculator(**json.loads(arguments))
+    except Exception as e:  # the policy's mistake: it reads the error and may try again
+        return f"error: {e}"
 
 
 def run(env: str, directory: str, steps: int) -> dict:
@@ -79,7 +139,8 @@ def main():
         directory = str(warm_started({"env": "chat_calculator", "model": {"preset": "tiny-chat"}, "seed": 0,
                                       "env_args": {"mental_share": 0.0}, "warm_start": {"steps": args.warm_steps, "lr": 1e-3}},
                                      args.warm_dir or Path(tmp)))
-        ratios = {"calculator_agent": [], "calculator_agent_socket": []}
+        ratios = {"calculator_agent": [], "calculator_agent_socket": [], "calculator_agent_responses": [],
+                  "calculator_agent_messages": []}
         for k in range(args.rounds):
             print(f"round {k}", flush=True)
             env = run("chat_calculator", directory, args.steps)

@@ -15,7 +15,9 @@ class AgentContext:
     """What an agent's episode gets: its seed, and an OpenAI endpoint of its own (base URL and secret key) served by
     the engine's policy under the name `model`. `http_client` is the episode's own httpx client, closed when it ends:
     it reaches the same endpoint in process (no socket, no HTTP parsing: the agent path runs ~1.2x faster). Pass it to
-    `openai.AsyncOpenAI(http_client=...)` (LangChain: `http_async_client`); any other client works over `base_url`.
+    `openai.AsyncOpenAI(http_client=...)` (LangChain: `http_async_client`); any other client
+    (Anthropic's SDK: its own httpx2) works over `base_url`. The endpoint speaks Chat Completions, Completions, Responses and
+    Anthropic's Messages.
     `metrics` is the agent's to fill (name -> number): the run reports their means, as it does an env's
     `Result.info["metrics"]`."""
     seed: int
@@ -24,6 +26,11 @@ class AgentContext:
     model: str
     http_client: httpx.AsyncClient | None = None
     metrics: dict = field(default_factory=dict)
+
+    @property
+    def anthropic_base_url(self) -> str:
+        """The same endpoint for Anthropic's SDK, which adds /v1 itself: `AsyncAnthropic(base_url=...)`."""
+        return self.base_url.removesuffix("/v1")
 
 
 class Agent(Env):

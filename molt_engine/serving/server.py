@@ -1,5 +1,7 @@
-"""The loopback OpenAI-compatible server agents call: a base URL and a secret key per episode, requests decoded by
-the run's shared sampler, and token-exact segments recorded from what the policy sampled."""
+"""The loopback server agents call: a base URL and a secret key per episode, requests decoded by the run's shared
+sampler, and token-exact segments recorded from what the policy sampled. One request core (`chat_turn`: context,
+template delta, sampler, parsed reply) with three faces: Chat Completions (and legacy Completions) here, the Responses
+API in responses.py, Anthropic's Messages API in messages.py."""
 import asyncio
 import contextlib
 import itertools
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,7 +26,8 @@ from ..episode import Episode
 
 
 class OpenAIError(Exception):
-    """Answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+    """Answered as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}} (Anthropic's shape on
+    /v1/messages)."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None):
@@ -42,6 +46,9 @@ class _Body(BaseModel):
     n: int = Field(1, ge=1, le=1, description="one choice per request: each is a sample the episode trains on")
     stream: bool = False
     stream_options: dict | None = None
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
 
 
 class ChatBody(_Body):
@@ -78,6 +85,8 @@ class _Episode:
     tool_calls: int = 0
     breaks: int = 0
     overrides: int = 0  # requests whose temperature or top_p the run's sampling overrode
+    responses: dict = field(default_factory=dict)  # Responses API: response id -> its whole context (for
+                                                   # previous_response_id)
 
 
 class AgentServer:
@@ -97,6 +106,9 @@ class AgentServer:
         app.post("/e/{name}/v1/chat/completions")(self.chat_completions)
         app.post("/e/{name}/v1/completions")(self.completions)
         app.get("/e/{name}/v1/models")(self.models)
+        from . import messages, responses  # here: the two faces import this module's core
+        app.post("/e/{name}/v1/responses")(responses.endpoint(self))
+        app.post("/e/{name}/v1/messages")(messages.endpoint(self))
 
     async def serve(self):
         """Listen on a free port of 127.0.0.1 only, until the run's TaskGroup ends. The socket listens from the
@@ -149,7 +161,8 @@ class AgentServer:
     def authorized(self, name: str, request: Request) -> _Episode:
         """The episode whose key the request carries. A wrong key, or another episode's, is a 401; a request to an
         episode that has ended is a 409."""
-        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        key = (request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+               or request.headers.get("x-api-key", "").strip())  # Anthropic's SDK sends its key there
         ep = self.episodes.get(name)
         if ep is not None and secrets.compare_digest(ep.key, key):
             return ep
@@ -168,9 +181,10 @@ class AgentServer:
     async def completions(self, name: str, body: CompletionBody, request: Request):
         return await self.answer(name, body, request, self.text_reply)
 
-    async def answer(self, name: str, body: _Body, request: Request, reply):
+    async def answer(self, name: str, body: _Body, request: Request, reply, stream=None):
         """A request's reply, sampled once: the SDK's retry of a request (same body, x-stainless-retry-count > 0)
-        gets the recorded reply, or waits for it while it is still being sampled."""
+        gets the recorded reply, or waits for it while it is still being sampled. `stream` turns the reply into its
+        API's server-sent events."""
         ep = self.authorized(name, request)
         if body.model != self.model:
             raise OpenAIError(404, f"the model {body.model!r} does not exist; this endpoint serves {self.model!r}",
@@ -189,81 +203,99 @@ class AgentServer:
                               code="episode_ended") from None
         if not body.stream:
             return JSONResponse(out)  # as it is: FastAPI's encoder would walk the plain dict for nothing
-        chunks = _chat_chunks(out, body) if out["object"] == "chat.completion" else [out]
-        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        if stream is None:
+            stream = _sse(_chat_chunks(out, body) if out["object"] == "chat.completion" else [out])
+        return StreamingResponse(stream(out) if callable(stream) else stream, media_type="text/event-stream")
 
-    async def chat_reply(self, ep: _Episode, body: ChatBody) -> dict:
+    async def chat_turn(self, ep: _Episode, body: _Body, messages: list[dict], tools: list | None, choice,
+                        max_tokens: int | None, top: int | None = None) -> dict:
+        """The request core of the three APIs: `messages` (template_message form) and `tools` (Chat Completions
+        form) rendered as the template's delta after the segment's context when they extend it (a new segment
+        otherwise), the reply sampled and parsed into content and tool calls. Returns `sample`'s dict plus
+        `content`, `calls` ({"name", "arguments"}) and `finish` "tool_calls" when there are calls."""
         if not self.tokenizer.chat_template:
             raise OpenAIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
-        choice = body.tool_choice or ("auto" if body.tools else "none")
-        if choice not in ("auto", "none", "required") and not (isinstance(choice, dict) and choice.get("function")):
+        choice = choice or ("auto" if tools else "none")
+        named = isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str)
+        if choice not in ("auto", "none", "required") and not named:
             raise OpenAIError(400, f"tool_choice must be auto, none, required or a named function, not {choice!r}",
                               param="tool_choice")
-        if choice != "none" and not body.tools:
+        if choice != "none" and not tools:
             raise OpenAIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
         if choice not in ("auto", "none") and self.parse is not hermes:
             raise OpenAIError(400, "a forced tool call (tool_choice required or named) needs the hermes tool parser",
                               param="tool_choice")
-        template = Template(self.tokenizer, body.tools or [], self.stops)
+        template = Template(self.tokenizer, tools or [], self.stops)
         # A forced call: the opening of the parser's call format goes in as prompt, the policy samples the rest.
         forced = "" if choice in ("auto", "none") else _call_opening(choice)
         async with ep.lock:
             n = len(ep.said) if isinstance(ep.said, list) else 0
-            extends = n > 0 and ep.tools == body.tools and messages[:n] == ep.said
-            if extends:
-                delta, broke = template.after_reply(ep.said, messages[n:], ep.ended)
-            else:
-                delta, broke = template.ids(messages, generation=True), False
+            extends = n > 0 and ep.tools == tools and messages[:n] == ep.said
+            try:
+                if extends:
+                    delta, broke = template.after_reply(ep.said, messages[n:], ep.ended)
+                else:
+                    delta, broke = template.ids(messages, generation=True), False
+            except (TemplateError, TypeError, ValueError, KeyError) as e:  # the messages are what it could not render
+                raise OpenAIError(400, f"the model's chat template cannot render these messages: {e}",
+                                  param="messages") from None
             delta += self.encode(forced)
-            ids, logprobs, text, finish, kept = await self.sample(ep, body, delta, extends,
-                                                                  body.max_completion_tokens or body.max_tokens,
-                                                                  body.top_logprobs if body.logprobs else None)
+            out = await self.sample(ep, body, delta, extends, max_tokens, top)
             ep.breaks += broke
+            text = out["text"]
             content, calls = self.parse(forced + text) if choice != "none" else (text.strip(), [])
             if any("error" in c for c in calls):  # an unparsable call comes back as the text it is
                 content, calls = (forced + text).strip(), []
             reply = {"role": "assistant", "content": content}
             if calls:
                 reply["tool_calls"] = [{"type": "function", "function": c} for c in calls]
-                finish = "tool_calls"
+                out["finish"] = "tool_calls"
             # The segment stands for this reply only when its tokens hold all of the reply's text (a stop string
             # may end the text inside a token): otherwise the next request starts a new segment.
-            ep.said = messages + [reply] if kept == text else None
-            ep.tools, ep.tool_calls = body.tools, ep.tool_calls + len(calls)
+            ep.said = messages + [reply] if out["kept"] == text else None
+            ep.tools, ep.tool_calls = tools, ep.tool_calls + len(calls)
+        return {**out, "content": content, "calls": calls, "context": messages + [reply]}
+
+    async def chat_reply(self, ep: _Episode, body: ChatBody) -> dict:
+        messages = [template_message(m, i) for i, m in enumerate(body.messages)]
+        out = await self.chat_turn(ep, body, messages, body.tools, body.tool_choice,
+                                   body.max_completion_tokens or body.max_tokens,
+                                   body.top_logprobs if body.logprobs else None)
+        content, calls = out["content"], out["calls"]
         message = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None}
         if calls:
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
                                      for c in calls]
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model, "usage": self.usage(ep, ids),
-                "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": {"content": logprobs} if body.logprobs else None}]}
+                "model": self.model, "usage": self.usage(ep, out["ids"]),
+                "choices": [{"index": 0, "message": message, "finish_reason": out["finish"],
+                             "logprobs": {"content": out["logprobs"]} if body.logprobs else None}]}
 
     async def text_reply(self, ep: _Episode, body: CompletionBody) -> dict:
         async with ep.lock:
             extends = isinstance(ep.said, str) and body.prompt.startswith(ep.said)
             delta = self.encode(body.prompt[len(ep.said):] if extends else body.prompt)
-            ids, logprobs, text, finish, kept = await self.sample(ep, body, delta, extends, body.max_tokens,
-                                                                  body.logprobs)
-            ep.said, ep.tools = body.prompt + kept, None  # the rest of the text, if any, comes back as prompt
+            out = await self.sample(ep, body, delta, extends, body.max_tokens, body.logprobs)
+            ep.said, ep.tools = body.prompt + out["kept"], None  # the rest of the text, if any, comes back as prompt
         lp = None
         if body.logprobs is not None:
+            logprobs = out["logprobs"]
             tokens = [t["token"] for t in logprobs]
             lp = {"tokens": tokens, "token_logprobs": [t["logprob"] for t in logprobs],
                   "top_logprobs": [{x["token"]: x["logprob"] for x in t["top_logprobs"]} for t in logprobs],
                   "text_offset": list(itertools.accumulate(map(len, tokens[:-1]), initial=len(body.prompt)))}
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model, "usage": self.usage(ep, ids),
-                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]}
+                "model": self.model, "usage": self.usage(ep, out["ids"]),
+                "choices": [{"index": 0, "text": out["text"], "finish_reason": out["finish"], "logprobs": lp}]}
 
     async def sample(self, ep: _Episode, body: _Body, delta: list[int], extends: bool, max_tokens: int | None,
-                     top: int | None) -> tuple[list[int], list[dict], str, str, str]:
+                     top: int | None) -> dict:
         """Append `delta` (non-action) to the newest segment, or start a new one with it, and sample the reply into
-        it. The caller holds the episode's lock. Returns the reply's ids (those kept), their OpenAI log-probs with
-        `top` alternatives each (none when `top` is None: not asked for), its text, the finish reason and the text
-        of the kept tokens.
+        it. The caller holds the episode's lock. Returns the reply's `ids` (those kept), their OpenAI `logprobs` with
+        `top` alternatives each (none when `top` is None: not asked for), its `text`, the `finish` reason ("stop"
+        or "length"), the stop string that ended it (`stop`, or None) and the text of the kept tokens (`kept`).
 
         Training episodes sample at the run's temperature whatever the request asks (the trained log-probs must be
         the behaviour policy's; overrides are counted); eval episodes decode greedily. A stop string ends the text
@@ -288,8 +320,7 @@ class AgentServer:
         ids, ended = req.ids, req.ids[-1] in self.stops
         text = kept = self.tokenizer.decode(ids[:-1] if ended else ids)
         finish = "stop" if ended else "length"
-        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+        cut, stop = min(((i, s) for s in body.stops() if s and (i := text.find(s)) >= 0), default=(-1, None))
         if cut >= 0:
             text, finish = text[:cut], "stop"
             n = next(k for k in range(len(ids), -1, -1) if text.startswith(self.tokenizer.decode(ids[:k])))
@@ -301,7 +332,7 @@ class AgentServer:
                      "top_logprobs": [{"token": token([i]), "logprob": v, "bytes": list(token([i]).encode())}
                                       for i, v in (req.top_logprobs[j] if top else [])]}
                     for j, (t, lp) in enumerate(zip(ids, req.logprobs))] if top is not None else []
-        return ids, logprobs, text, finish, kept
+        return {"ids": ids, "logprobs": logprobs, "text": text, "finish": finish, "stop": stop, "kept": kept}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
@@ -319,12 +350,19 @@ def template_message(m: dict, i: int) -> dict:
         raise OpenAIError(400, f"messages[{i}] has no role", param=f"messages[{i}].role")
     content = m.get("content") or ""
     if isinstance(content, list):  # content parts: the text ones
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if not isinstance(content, str) or not isinstance(m.get("name") or "", str):
+        raise OpenAIError(400, f"messages[{i}]: content must be a string or a list of parts, and name a string",
+                          param=f"messages[{i}]")
     out = {"role": m["role"], "content": content}
     if m.get("name"):
         out["name"] = m["name"]
-    calls = []
-    for j, call in enumerate(m.get("tool_calls") or []):
+    calls, given = [], m.get("tool_calls") or []
+    if not isinstance(given, list) or not all(isinstance(c, dict) and isinstance(c.get("function") or {}, dict)
+                                              for c in given):
+        raise OpenAIError(400, f"messages[{i}].tool_calls must be a list of {{'function': {{...}}}} objects",
+                          param=f"messages[{i}].tool_calls")
+    for j, call in enumerate(given):
         function = call.get("function") or {}
         arguments = function.get("arguments") or {}
         try:
@@ -368,6 +406,10 @@ async def _sse(chunks: list[dict]):
 
 
 async def _openai_error(request, e: OpenAIError):  # async: a sync handler would wait on a thread at the run's end
+    if request.url.path.endswith("/v1/messages"):  # Anthropic's shape: {"type": "error", "error": {type, message}}
+        kind = {404: "not_found_error", 401: "authentication_error"}.get(e.status, "invalid_request_error")
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": e.body["error"]["message"]}},
+                            status_code=e.status)
     return JSONResponse(e.body, status_code=e.status)
 
 
@@ -375,4 +417,4 @@ async def _bad_request(request, e: RequestValidationError):
     first = e.errors()[0]
     param = ".".join(str(p) for p in first["loc"][1:]) or None
     message = "; ".join(f"{'.'.join(str(p) for p in err['loc'][1:])}: {err['msg']}" for err in e.errors())
-    return JSONResponse(OpenAIError(400, message, param=param).body, status_code=400)
+    return await _openai_error(request, OpenAIError(400, message, param=param))
