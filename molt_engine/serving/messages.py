@@ -86,7 +86,8 @@ def chat_messages(messages: list[dict]) -> list[dict]:
 
 
 def _text(blocks: list) -> str:
-    return "".join(b.get("text", "") for b in blocks if isinstance(b, dict) and b.get("type") == "text")
+    return "".join(b["text"] for b in blocks if isinstance(b, dict) and b.get("type") == "text"
+                   and isinstance(b.get("text"), str))
 
 
 async def events(message: dict):
