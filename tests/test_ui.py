@@ -57,7 +57,8 @@ def test_login_launch_from_the_form_and_watch_the_run_live_until_completed(serve
     assert served.client.get(f"/api/v1/runs/{run_id}").json()["config"]["loop"]["groups_per_step"] == 4
 
     page.evaluate("window.__sameDocument = true")  # a reload would lose it
-    points = lambda: int(page.locator("#chart-reward_mean").get_attribute("data-points"))  # noqa: E731
+    # the chart appears with the run's first reward
+    points = lambda: int(page.evaluate("document.getElementById('chart-reward_mean')?.dataset.points ?? 0"))  # noqa: E731
     expect(page.locator("#conn")).to_have_attribute("data-state", "live")
     wait_until(lambda: points() >= 3, 120, interval=0.2, message="the reward chart to gain 3 points")
     first = points()

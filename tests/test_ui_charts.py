@@ -116,6 +116,9 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(page.locator("#chart-grad_norm .markers")).to_contain_text(f"trip@{tripped[0]}")
     assert plot(page, "grad_norm", "u.series.map((s) => s.label)") == ["step", "grad_norm", "breaker threshold"]
     assert plot(page, "grad_norm", "u.series[2].dash") == [6, 4]
+    assert plot(page, "grad_norm", "[u.series[1].smooth, u.series[1].points.show(u, 1)]") == [False, True]
+    expect(page.locator("#chart-breaker_tripped")).to_have_count(0)
+    expect(page.locator("#chart-breaker_threshold")).to_have_count(0)
 
     # a flat series gets a small range around its value, not 0-100
     flat = next(n for n in ("stale_dropped", "env_errors", "staleness_max")
@@ -137,6 +140,12 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(reward.locator(".u-legend .u-series").first.locator(".u-label")).to_have_text("elapsed (min)")
     xs = plot(page, "reward_mean", "u.data[0]")
     assert 0 <= xs[0] <= xs[-1] < 30 and "x=elapsed" in page.url
+    # the legend entry toggles the line, raw and smoothed together
+    entry = page.locator("#chart-policy_loss .u-legend .u-series").nth(1)
+    entry.click()
+    assert plot(page, "policy_loss", "u.series[1].show") is False
+    entry.click()
+    assert plot(page, "policy_loss", "u.series[1].show") is True
     screenshot(page, "run-page-charts.png")
 
 

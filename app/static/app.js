@@ -38,7 +38,8 @@ const Molt = (() => {
     if (name === "grad_norm") {
       spec.lines.push({name: "breaker_threshold", label: "breaker threshold", dash: true});
       spec.trips = "breaker_tripped";
-      spec.title = "grad_norm (breaker threshold dashed; a trip: red line with ▲)";
+      spec.points = true;  // the breaker's chart: raw, with points (smoothing would flatten the spike that tripped it)
+      spec.title = "grad_norm (breaker threshold dashed; a trip: red line with ▼)";
     } else if (name === "samples_per_s") {
       spec.lines.push({name: "tokens_per_s", scale: "y2"});
       spec.y2Title = axisTitle("tokens_per_s");
@@ -182,7 +183,7 @@ const Molt = (() => {
         const smooth = weight > 0 && !l.dash && !sparse;
         tables.push([xs, smooth ? ema(raw, weight) : raw, raw]);
         series.push({label: l.label, stroke: l.color, width: l.dash ? 1.5 : 2, dash: l.dash ? [6, 4] : undefined,
-                     spanGaps: true, scale: l.scale || "y", smooth, fill: undefined,
+                     spanGaps: true, scale: l.scale || "y", smooth,
                      points: sparse ? {show: true, size: 7, fill: l.color} : {show: false},
                      value: (u, v, si, idx) => {
                        const r = idx == null ? null : this.raws[si - 1][idx];
@@ -336,7 +337,7 @@ const Molt = (() => {
       const before = [...list.children].find((el) => el.id > `chart-${spec.id}`);
       charts[spec.id] = {spec, section, chart: new Chart(list, spec.id, spec.title,
                                                          {before, yTitle: spec.yTitle, y2Title: spec.y2Title, sync: "run"})};
-      if (spec.lines) for (const l of spec.lines) if (charts[l.name] && l.name !== name) removeChart(l.name);
+      for (const [joined, into] of Object.entries(JOINS)) if (into === name && charts[joined]) removeChart(joined);
     }
 
     function removeChart(id) {  // a name that joined another chart (its own chart came first)
@@ -364,7 +365,7 @@ const Molt = (() => {
         }
         const lines = specLines.filter((l) => hasData(l.name)).map((l, i) => ({
           label: l.label || l.name, color: COLORS[i % COLORS.length], series: store[l.name], dash: l.dash,
-          scale: l.scale, points: spec.points}));
+          scale: l.scale, points: spec.points && !l.dash}));
         const markers = [];
         if (spec.trips && store[spec.trips]) {
           const s = store[spec.trips];
