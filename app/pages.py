@@ -3,6 +3,7 @@ launch.py)."""
 import functools
 import inspect
 import json
+import socket
 import time
 import zlib
 from pathlib import Path
@@ -193,8 +194,16 @@ def get_run_or_404(request: Request, run_id: int) -> dict:
 @guarded
 def run_page(request: Request, run_id: int):
     run = get_run_or_404(request, run_id)
-    return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL,
-                  page={"run_id": run_id, "max_staleness": run["config"]["loop"]["max_staleness"]})
+    config = run["config"]
+    out = request.app.state.records.run_dir(run_id)
+    overview = {"model": config["model"].get("preset") or config["model"].get("path"),
+                "lora": config["model"].get("lora"), "host": socket.gethostname(),
+                "ranks": config.get("dist", {}).get("nproc", 1),
+                "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
+    return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
+                  page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],
+                        "started_at": run["started_at"], "finished_at": run["finished_at"],
+                        "total_steps": run["total_steps"]})
 
 
 @router.get("/runs/{run_id}/samples")
@@ -213,7 +222,8 @@ def run_panel(request: Request, run_id: int, panel: str):
     if panel == "actions":
         return render(request, "_actions.html", run=run, active=ACTIVE)
     if panel == "alerts":
-        return render(request, "_alerts.html", run=run, alerts=records.alerts(run_id)[::-1])
+        return render(request, "_alerts.html", run=run, alerts=records.alerts(run_id)[::-1],
+                      events=records.events(run_id)[-5:][::-1])
     if panel == "records":
         return render(request, "_records.html", run=run, attempts=records.attempts(run_id),
                       checkpoints=records.checkpoints(run_id), events=records.events(run_id)[-30:][::-1])
@@ -250,7 +260,8 @@ def ack_alert(request: Request, run_id: int, alert_id: int, csrf_token: Annotate
     run = get_run_or_404(request, run_id)
     if not request.headers.get("hx-request"):
         return RedirectResponse(f"/runs/{run_id}", status_code=303)
-    return render(request, "_alerts.html", run=run, alerts=request.app.state.records.alerts(run_id)[::-1])
+    return render(request, "_alerts.html", run=run, alerts=request.app.state.records.alerts(run_id)[::-1],
+                  events=request.app.state.records.events(run_id)[-5:][::-1])
 
 
 # ---- compare --------------------------------------------------------------------------------------------------------

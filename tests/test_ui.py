@@ -57,11 +57,12 @@ def test_login_launch_from_the_form_and_watch_the_run_live_until_completed(serve
     assert served.client.get(f"/api/v1/runs/{run_id}").json()["config"]["loop"]["groups_per_step"] == 4
 
     page.evaluate("window.__sameDocument = true")  # a reload would lose it
-    points = lambda: int(page.locator("#chart-reward").get_attribute("data-points"))  # noqa: E731
+    # the chart appears with the run's first reward
+    points = lambda: int(page.evaluate("document.getElementById('chart-reward_mean')?.dataset.points ?? 0"))  # noqa: E731
     expect(page.locator("#conn")).to_have_attribute("data-state", "live")
     wait_until(lambda: points() >= 3, 120, interval=0.2, message="the reward chart to gain 3 points")
     first = points()
-    assert page.locator("#chart-reward canvas").count() >= 1
+    assert page.locator("#chart-reward_mean canvas").count() >= 1
 
     # drop the connection: the page says so, reconnects by itself and backfills what it missed
     page.evaluate("window.__molt.reconnectNow()")
@@ -184,13 +185,13 @@ def test_a_moe_run_from_the_form_shows_expert_load_per_layer(served, page):
         expect(chart).to_be_visible()
         wait_until(lambda: chart.get_attribute("data-points") == "6", 20, message=f"6 points in layer {layer}")
         assert chart.locator(".u-legend .u-series").count() >= 8
-    expect(page.locator("#chart-router")).to_be_visible()
+    expect(page.locator("#chart-moe_balance_entropy")).to_be_visible()
     screenshot(page, "run-page-tiny-moe.png")
 
 
 def test_a_vision_language_run_from_the_form_trains_on_images(served, page):
     launch_from_the_form(served, page, "shapes", "tiny-vlm")
-    wait_until(lambda: page.locator("#chart-reward").get_attribute("data-points") == "6", 20, message="6 rewards")
+    wait_until(lambda: page.locator("#chart-reward_mean").get_attribute("data-points") == "6", 20, message="6 rewards")
     expect(page.locator("[id^=chart-experts-l]")).to_have_count(0)  # a dense policy has no expert load
     screenshot(page, "run-page-tiny-vlm.png")
 
@@ -202,7 +203,7 @@ def test_an_agent_run_from_the_form_charts_its_requests_and_segments(served, pag
     expect(page.locator("select[name=env] option[value=calculator_agent]")).to_have_text(
         "calculator_agent (agent, tools: calculator)")
     run_id = launch_from_the_form(served, page, "calculator_agent", "tiny-chat")
-    chart = page.locator("#chart-agents")
+    chart = page.locator("#chart-agent_requests_per_episode")
     expect(chart).to_be_visible()
     wait_until(lambda: chart.get_attribute("data-points") == "6", 20, message="6 points of agent metrics")
     series = served.client.get(f"/api/v1/runs/{run_id}/metrics",

@@ -1,0 +1,178 @@
+"""The run page in Chromium on one finished small run (`molt serve`, real training, evals and a breaker trip): every
+recorded metric charted in its section, a filter box, readable charts (axis titles, x name in the legend, one legend
+entry per line, sparse series with points, per-chart log scale and smoothing, flat ranges, synced hover, elapsed x,
+the trip marker), and the overview strip with alerts and recent events above the charts."""
+import re
+
+import pytest
+from playwright.sync_api import expect
+
+from app_support import FAST, serve
+from conftest import screenshot, wait_until
+
+# evals every 4 steps; one gradient spike (step 7, over abs_max) trips the breaker once, which neither rolls back nor
+# ends the run
+RUN = {**FAST, "loop": {**FAST["loop"], "steps": 12, "eval_every": 4}, "drills": {"spike_at": [7]},
+       "breaker": {"min_history": 3, "abs_max": 100}}
+# names a text run on a CPU records as 0 (chat counters) or never (GPU memory): no chart for them
+CHAT_OR_GPU = re.compile(r"^(eval_)?(tool_|template_prefix|agent_|gpu_)")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    with serve(tmp_path_factory.mktemp("home")) as served:
+        run = served.create(RUN, name="charts")
+        assert served.wait(run["id"], timeout=300)["status"] == "completed"
+        series = served.client.get(f"/api/v1/runs/{run['id']}/metrics").json()["series"]
+        yield served, run["id"], series
+
+
+def open_run(page, finished, query=""):
+    served, run_id, series = finished
+    page.goto(served.url)
+    page.goto(served.base + f"/runs/{run_id}{query}")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    # the backfill has arrived once the reward chart holds every step
+    wait_until(lambda: page.locator("#chart-reward_mean").get_attribute("data-points") == "12", 30,
+               message="12 reward points")
+
+
+def visible_metrics(page) -> set[str]:
+    return set(page.evaluate("""[...document.querySelectorAll('.chart')].filter((c) => c.offsetParent !== null)
+                                .flatMap((c) => (c.dataset.metrics || '').split(' ').filter(Boolean))"""))
+
+
+def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_the_rest(finished, page):
+    _, _, series = finished
+    open_run(page, finished)
+    charted = {name for name, s in series.items()
+               if not (CHAT_OR_GPU.match(name) and all(v == 0 for v in s["value"]))}
+    assert len(charted) >= 30, sorted(series)
+    wait_until(lambda: visible_metrics(page) == charted, 10, message="a visible chart for each recorded metric")
+    # those that were only in the CSV/JSON before, each in a chart of its own
+    for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_dropped",
+                 "trainer_idle_ratio", "sampler_idle_ratio", "trained_fraction"):
+        expect(page.locator(f"#chart-{name}")).to_be_visible()
+    # no chat chart on a text run, no GPU chart on a CPU run, no MoE section for a dense policy
+    assert series["tool_errors"]["value"] and not any(series["tool_errors"]["value"])
+    expect(page.locator("#chart-tool_errors")).to_be_hidden()
+    assert not [n for n in visible_metrics(page) if n.startswith("gpu_")]
+    expect(page.locator("#section-moe")).to_be_hidden()
+    # sections by name
+    for section, name in [("reward", "reward_mean"), ("reward", "eval_reward"), ("loss", "policy_loss"),
+                          ("loss", "grad_norm"), ("staleness", "staleness_mean"), ("throughput", "samples_per_s"),
+                          ("memory", "rss_gb"), ("env", "env_errors")]:
+        expect(page.locator(f"#section-{section} #chart-{name}")).to_be_visible()
+
+    page.fill("#view input[name=q]", "loss")
+    shown = page.locator(".chart:visible")
+    expect(page.locator("#chart-policy_loss")).to_be_visible()
+    expect(page.locator("#chart-reward_mean")).to_be_hidden()
+    expect(page.locator("#section-reward")).to_be_hidden()
+    assert shown.count() >= 1 and all("loss" in (shown.nth(i).get_attribute("data-metrics") or "")
+                                      for i in range(shown.count()))
+    assert "q=loss" in page.url
+    page.fill("#view input[name=q]", "")
+    expect(page.locator("#chart-reward_mean")).to_be_visible()
+    screenshot(page, "run-page-all-metrics.png")
+
+
+def plot(page, name: str, expression: str):
+    return page.evaluate(f"(() => {{ const u = document.getElementById('chart-{name}').plot; return {expression}; }})()")
+
+
+def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_series_and_synced_hover(finished, page):
+    _, _, series = finished
+    open_run(page, finished)
+    reward = page.locator("#chart-reward_mean")
+    # the legend's x entry names the x axis; one entry per metric (raw and smoothed together), no "(raw)" rows
+    expect(reward.locator(".u-legend .u-series").first.locator(".u-label")).to_have_text("step")
+    expect(reward.locator(".u-legend .u-series")).to_have_count(2)
+    assert plot(page, "reward_mean", "[u.axes[0].label, u.axes[1].label]") == ["step", "reward_mean"]
+    assert plot(page, "samples_per_s", "[u.axes[1].label, u.axes[2].label]") == [
+        "samples_per_s (samples/s)", "tokens_per_s (tokens/s)"]
+    assert plot(page, "rss_gb", "u.axes[1].label") == "rss_gb (GB)"
+
+    # hover: values, raw with smoothed, no "--"; the other charts' cursors follow (uPlot cursor sync)
+    over = reward.locator(".u-over")
+    over.scroll_into_view_if_needed()
+    box = over.bounding_box()
+    assert box["width"] > 400  # the chart fills its column (it was laid out before it was drawn)
+    over.hover(position={"x": box["width"] * 0.6, "y": box["height"] / 2})
+    value = reward.locator(".u-legend .u-series").nth(1).locator(".u-value")
+    expect(value).to_contain_text("smoothed")
+    assert "--" not in reward.locator(".u-legend").inner_text()
+    idx = plot(page, "reward_mean", "u.cursor.idx")
+    assert idx is not None and plot(page, "policy_loss", "u.cursor.idx") == idx
+
+    # evals are sparse: drawn raw with point markers; so is the breaker's trip series
+    assert plot(page, "eval_reward", "[u.series[1].smooth, u.series[1].points.show(u, 1)]") == [False, True]
+    assert plot(page, "reward_mean", "[u.series[1].smooth, u.series[1].points.show(u, 1)]") == [True, False]
+    # the breaker: threshold and trips in grad_norm's chart, the trip a solid marker, listed under the chart
+    assert set(page.locator("#chart-grad_norm").get_attribute("data-metrics").split()) >= {
+        "grad_norm", "breaker_threshold", "breaker_tripped"}
+    tripped = [s for s, v in zip(series["breaker_tripped"]["step"], series["breaker_tripped"]["value"]) if v >= 1]
+    assert tripped, "the drill's spike tripped the breaker"
+    expect(page.locator("#chart-grad_norm .markers")).to_contain_text(f"trip@{tripped[0]}")
+    assert plot(page, "grad_norm", "u.series.map((s) => s.label)") == ["step", "grad_norm", "breaker threshold"]
+    assert plot(page, "grad_norm", "u.series[2].dash") == [6, 4]
+    assert plot(page, "grad_norm", "[u.series[1].smooth, u.series[1].points.show(u, 1)]") == [False, True]
+    expect(page.locator("#chart-breaker_tripped")).to_have_count(0)
+    expect(page.locator("#chart-breaker_threshold")).to_have_count(0)
+
+    # a flat series gets a small range around its value, not 0-100
+    flat = next(n for n in ("stale_dropped", "env_errors", "staleness_max")
+                if len(set(series[n]["value"])) == 1)
+    lo, hi = plot(page, flat, "[u.scales.y.min, u.scales.y.max]")
+    value = series[flat]["value"][0]
+    assert lo < value < hi and hi - lo <= 2 * max(1, abs(value))
+
+    # log scale and smoothing per chart: grad_norm goes log, reward_mean goes raw; the others keep the page's view
+    page.locator("#chart-grad_norm input[name=log]").check()
+    page.locator("#chart-reward_mean input[name=smooth]").fill("0")
+    wait_until(lambda: plot(page, "grad_norm", "u.scales.y.distr") == 3, 5, message="grad_norm on a log scale")
+    assert plot(page, "policy_loss", "u.scales.y.distr") == 1
+    assert plot(page, "reward_mean", "u.series[1].smooth") is False
+    assert plot(page, "policy_loss", "u.series[1].smooth") is True
+
+    # elapsed time as the x axis: minutes since the run started, named in the legend and on the axis
+    page.select_option("#view select[name=x]", "elapsed")
+    expect(reward.locator(".u-legend .u-series").first.locator(".u-label")).to_have_text("elapsed (min)")
+    xs = plot(page, "reward_mean", "u.data[0]")
+    assert 0 <= xs[0] <= xs[-1] < 30 and "x=elapsed" in page.url
+    # the legend entry toggles the line, raw and smoothed together
+    entry = page.locator("#chart-policy_loss .u-legend .u-series").nth(1)
+    entry.click()
+    assert plot(page, "policy_loss", "u.series[1].show") is False
+    entry.click()
+    assert plot(page, "policy_loss", "u.series[1].show") is True
+    screenshot(page, "run-page-charts.png")
+
+
+def test_the_overview_strip_alerts_and_recent_events_come_before_the_charts(finished, page):
+    served, run_id, series = finished
+    open_run(page, finished)
+    overview = page.locator("#overview")
+    expect(overview.locator("#ov-env")).to_have_text("max_digit")
+    expect(overview.locator("#ov-model")).to_have_text("tiny-dense")
+    expect(overview.locator("#ov-elapsed")).to_have_text(re.compile(r"^\d+(m \d+)?s$|^\d+m \d+s$"))
+    expect(overview.locator("#ov-eta")).to_have_text("done")
+    evals = series["eval_reward"]
+    best = max(range(len(evals["value"])), key=lambda i: evals["value"][i])
+    expect(overview.locator("#ov-best")).to_contain_text(f"at step {evals['step'][best]}")
+    expect(overview.locator("#ov-paths")).to_contain_text(f"runs/{run_id}/final")
+    expect(overview.locator("#ov-where")).to_contain_text("1 rank")
+    expect(overview.locator("#ov-where")).to_contain_text("CPU")
+
+    # the breaker's alert and the latest events sit above the charts
+    alert = page.locator("#alerts-panel .alert", has_text="breaker")
+    expect(alert.first).to_be_visible()
+    expect(page.locator("#recent-events li").first).to_be_visible()
+    above = page.evaluate("""document.getElementById('alerts-panel').compareDocumentPosition(
+                             document.getElementById('charts')) & Node.DOCUMENT_POSITION_FOLLOWING""")
+    assert above
+    # the header's alert count links to them
+    page.click("#alerts-link")
+    assert page.url.endswith("#alerts-panel")
+    expect(page.locator("#run-alerts")).not_to_have_text("0")
+    screenshot(page, "run-page-overview.png")
