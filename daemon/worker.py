@@ -61,7 +61,8 @@ def main(argv=None) -> int:
         return code
 
     sink = None if rank not in (None, "0") else DbSink(  # first: it beats while torch imports
-        engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"))
+        engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"),
+        full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train
