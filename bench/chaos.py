@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import sqlite3
 import statistics
@@ -39,7 +40,8 @@ SLOTS = {  # a single-process run, a 2-rank run, a chat run with a tool (the age
     "chat": {"env": "chat_calculator", "model": {"preset": "tiny-chat"}},
 }
 STORM = ("worker_kill", "rank_kill", "daemon_kill", "serve_kill", "hang_short", "hang_long", "stop_resume",
-         "db_lock")
+         "db_lock", "disk_full")
+TMPFS_MB = 64  # the single-process runs' directories: room for their checkpoints, until the soak fills it
 DRILLS = ("nan", "spike", "env_error", "full_disk_checkpoint", "full_disk_db")
 TERMINAL = ("completed", "failed", "stopped", "tripped")
 
@@ -85,6 +87,14 @@ class Soak:
         self.slot_runs: dict[str, list[int]] = defaultdict(list)
         self.stopped_by_us: set[int] = set()
         self.serve: Serve | None = None
+        self.mounts: list[Path] = []
+        probe = home / "tmpfs-probe"  # a real full disk where the machine lets us mount one
+        probe.mkdir(exist_ok=True)
+        self.tmpfs = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                                    capture_output=True).returncode == 0
+        if self.tmpfs:
+            subprocess.run(["umount", str(probe)], check=True)
+        probe.rmdir()
 
     # ---- the records, read directly (the API may be down in the middle of a fault) -----------------------------
 
@@ -97,9 +107,9 @@ class Soak:
         return self.db.execute(sql, args).fetchall()
 
     def running(self) -> list[tuple[int, int, str]]:
-        """(run id, worker pid, slot) of the runs with a live recorded worker that has trained a step."""
+        """(run id, worker pid, slot) of the runs whose live worker trains (it beats: its start is over)."""
         rows = self.q("SELECT r.id, a.pid, r.name FROM run r JOIN attempt a ON a.run_id = r.id WHERE r.status = "
-                      "'running' AND a.ended_at IS NULL AND a.pid IS NOT NULL AND r.step > 0")
+                      "'running' AND a.ended_at IS NULL AND a.pid IS NOT NULL AND a.heartbeat_at IS NOT NULL")
         return [(run_id, pid, name.split("-")[0]) for run_id, pid, name in rows if alive(pid)]
 
     def step_of(self, run_id: int) -> int:
@@ -132,6 +142,11 @@ class Soak:
             planned.append(("full_disk_db", drills["db_full_disk_at"][0]))
         cfg["drills"] = drills
         name = f"{slot}-{len(self.slot_runs[slot]) + 1}"
+        if slot == "single" and self.tmpfs:  # its directory on a small filesystem of its own (the next run id)
+            directory = self.home / "runs" / str(self.q("SELECT coalesce(max(id), 0) + 1 FROM run")[0][0])
+            directory.mkdir(parents=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MB}m", "tmpfs", str(directory)], check=True)
+            self.mounts.append(directory)
         run = self.api("post", "/api/v1/runs", json={"config": cfg, "name": name, "max_restarts": 20}).json()
         self.slot_runs[slot].append(run["id"])
         for kind, step in planned:
@@ -187,6 +202,8 @@ class Soak:
             say(f"{kind} {fault['target']}")
             return True
         candidates = [c for c in self.running() if kind != "rank_kill" or c[2] == "ranks"]
+        if kind == "disk_full":
+            candidates = [c for c in candidates if self.home / "runs" / str(c[0]) in self.mounts]
         if kind == "stop_resume":
             candidates = [c for c in candidates if c[0] not in self.stopped_by_us]
         if not candidates:
@@ -210,6 +227,20 @@ class Soak:
             time.sleep(seconds)
             for p in stopped:
                 kill_group(p, signal.SIGCONT)
+        elif kind == "disk_full":  # fill the run's filesystem until a write of it fails, then free the space
+            ballast = self.home / "runs" / str(run_id) / "ballast"
+            with open(ballast, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 2**20)
+                        f.flush()
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not self.q(
+                    "SELECT 1 FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, fault["time"]):
+                time.sleep(0.5)
+            ballast.unlink()
         else:  # stop_resume: through the REST API, as a user would
             self.stopped_by_us.add(run_id)
             self.api("post", f"/api/v1/runs/{run_id}/stop")
@@ -278,16 +309,16 @@ def kill_group(pid: int, sig: int):
 
 
 def soak_processes(home: Path) -> list[int]:
-    """Live processes whose command line or environment names the soak's home (serve, daemon, workers, ranks)."""
+    """Live processes started with the soak's MOLT_HOME (serve, and the daemon, workers and ranks it started)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit():
             continue
         try:
-            text = Path(f"/proc/{entry}/cmdline").read_bytes() + Path(f"/proc/{entry}/environ").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(home).encode() in text and alive(int(entry)):
+        if f"MOLT_HOME={home}".encode() in environ and alive(int(entry)):
             found.append(int(entry))
     return found
 
@@ -322,7 +353,7 @@ def verdict(soak: Soak, leftovers: list[int], drained: bool) -> dict:
     for f in soak.faults:
         if (s := recovery_s(q, f)) is not None:
             recovery[f["kind"]].append(s)
-    causes = Counter(a["cause"].split(":")[0].split(" (")[0] if a["cause"] else "open"
+    causes = Counter(re.sub(r"\d+", "N", a["cause"].split(":")[0])[:60] if a["cause"] else "open"
                      for r in per_run.values() for a in r["attempts"])
     return {
         "ok": drained and not not_done and not lost and not duplicates and not corrupt and not missing_events
@@ -350,6 +381,8 @@ def checkpoints(home: Path, runs: dict) -> tuple[int, int]:
     from molt_engine import checkpoint
     from molt_engine.config import RunConfig
     from molt_engine.models import load_policy
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
     torch.set_num_threads(1)
     corrupt = loaded = 0
     for run_id, run in runs.items():
@@ -380,6 +413,9 @@ def recorded(q, f: dict) -> str | None:
         if not hits and kind == "worker_kill":  # killed while adopted: not our child, so no signal is known
             hits = [f"attempt {n}: {c}" for n, c in rows if c and ("adopted" in c or c.startswith("lost"))]
         return hits[0] if hits else None
+    if kind == "disk_full":
+        rows = q("SELECT number, cause FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, f["time"])
+        return f"attempt {rows[0][0]}: {(rows[0][1] or '')[:120]}" if rows else None
     if kind == "daemon_kill":
         rows = q("SELECT message FROM daemon_event WHERE kind = 'down' AND pid = ?", target["daemon"])
         return rows[0][0] if rows else None
@@ -423,7 +459,7 @@ def recovery_s(q, f: dict) -> float | None:
         if not rows:
             return None
         t, step = rows[0][0], rows[0][1]
-    elif kind in ("worker_kill", "rank_kill", "hang_short", "hang_long", "stop_resume"):
+    elif kind in ("worker_kill", "rank_kill", "hang_short", "hang_long", "stop_resume", "disk_full"):
         step = target["step"]
     else:
         return None
@@ -447,28 +483,34 @@ def main(argv=None) -> int:
     say(f"home {home}, seed {a.seed}, {a.minutes:g} min of faults")
     soak = Soak(home, a.seed, a.minutes, a.steps)
     started = time.time()
-    soak.serve = Serve(home)
-    for slot in SLOTS:
-        soak.launch(slot)
-    while len(soak.running()) < len(SLOTS):  # the storm starts once every run trains
-        time.sleep(1)
-    say("all runs train: the storm starts")
-    soak.storm()
-    say("storm over: waiting for the runs to complete")
-    drained = soak.drain(a.drain_minutes * 60)
-    soak.serve.client.close()
-    soak.serve.proc.send_signal(signal.SIGINT)  # Ctrl-C: stops the daemon (its runs are all over by now)
-    try:
-        soak.serve.proc.wait(120)
-    except subprocess.TimeoutExpired:
-        pass
-    time.sleep(2)  # the daemon's own exit, a moment after serve returns
-    leftovers = soak_processes(home)
-    for pid in leftovers:
-        say(f"left running: pid {pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
-        kill_group(pid, signal.SIGKILL)
-    summary = {"minutes": a.minutes, "seed": a.seed, "home": str(home), "wall_s": round(time.time() - started),
-               "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "drained": drained, **verdict(soak, leftovers, drained)}
+    try:  # whatever happens, no process of the soak and no mount outlives it
+        soak.serve = Serve(home)
+        for slot in SLOTS:
+            soak.launch(slot)
+        while len(soak.running()) < len(SLOTS):  # the storm starts once every run trains
+            time.sleep(1)
+        say("all runs train: the storm starts")
+        soak.storm()
+        say("storm over: waiting for the runs to complete")
+        drained = soak.drain(a.drain_minutes * 60)
+        soak.serve.client.close()
+        soak.serve.proc.send_signal(signal.SIGINT)  # Ctrl-C: stops the daemon (its runs are all over by now)
+        try:
+            soak.serve.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2)  # the daemon's own exit, a moment after serve returns
+        leftovers = soak_processes(home)
+        for pid in leftovers:
+            say(f"left running: pid {pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
+        summary = {"minutes": a.minutes, "seed": a.seed, "home": str(home), "wall_s": round(time.time() - started),
+                   "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "tmpfs": soak.tmpfs, "drained": drained,
+                   **verdict(soak, leftovers, drained)}
+    finally:
+        for pid in soak_processes(home):
+            kill_group(pid, signal.SIGKILL)
+        for directory in soak.mounts:
+            subprocess.run(["umount", "--lazy", str(directory)])
     a.out.write_text(json.dumps(summary, indent=1, default=str))
     brief = {k: v for k, v in summary.items() if k not in ("per_run", "fault_log")}
     print(json.dumps(brief, indent=1, default=str), flush=True)
