@@ -406,14 +406,15 @@ def recorded(q, f: dict) -> str | None:
     kind, target = f["kind"], f.get("target", {})
     run_id = target.get("run")
     if kind in ("worker_kill", "rank_kill", "hang_long", "hang_short"):
-        rows = q("SELECT number, cause FROM attempt WHERE run_id = ? AND pid = ?", run_id, target["worker"])
-        if kind == "hang_short":  # below the heartbeat timeout: the worker lives on, it is no fault of the run's
-            return None if any(c and c.startswith("hang") for _, c in rows) else "no restart: attempt kept"
+        rows = q("SELECT number, cause, ended_at FROM attempt WHERE run_id = ? AND pid = ?", run_id, target["worker"])
+        if kind == "hang_short":  # below the heartbeat timeout: the worker lives on (a later long hang may end it)
+            soon = f["time"] + target["seconds"] + 2 * HEARTBEAT_TIMEOUT_S
+            return None if any(c and c.startswith("hang") and e < soon for _, c, e in rows) else "no restart: kept"
         want = {"worker_kill": "SIGKILL", "rank_kill": f"pid {target.get('rank_pid')}) killed by SIGKILL",
                 "hang_long": "hang"}[kind]
-        hits = [f"attempt {n}: {c}" for n, c in rows if c and want in c]
+        hits = [f"attempt {n}: {c}" for n, c, _ in rows if c and want in c]
         if not hits and kind == "worker_kill":  # killed while adopted: not our child, so no signal is known
-            hits = [f"attempt {n}: {c}" for n, c in rows if c and ("adopted" in c or c.startswith("lost"))]
+            hits = [f"attempt {n}: {c}" for n, c, _ in rows if c and ("adopted" in c or c.startswith("lost"))]
         return hits[0] if hits else None
     if kind == "disk_full":
         rows = q("SELECT number, cause FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, f["time"])
