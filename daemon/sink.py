@@ -1,4 +1,5 @@
 """The database sink: the engine reports to it, a writer thread commits the records to SQLite in batches."""
+import errno
 import json
 import math
 import os
@@ -30,9 +31,10 @@ class DbSink:
     Until the engine's first heartbeat (imports, model loading, warm start) the writer thread beats instead."""
 
     def __init__(self, engine: Engine, run_id: int, attempt_id: int, spool_dir: Path | None = None,
-                 flush_every: float = FLUSH_EVERY_S, keep_samples: int | None = None):
+                 flush_every: float = FLUSH_EVERY_S, keep_samples: int | None = None, full_disk_at=()):
         self.engine, self.run_id, self.attempt_id, self.flush_every = engine, run_id, attempt_id, flush_every
         self.keep_samples = keep_samples
+        self.full_disk_at = set(full_disk_at)  # the run's drills.db_full_disk_at: steps not yet failed
         self.spool_dir = Path(spool_dir) if spool_dir else None
         self._lock = threading.Lock()
         self._pending: list[dict] = []
@@ -43,6 +45,7 @@ class DbSink:
         self._beat_written, self._beat_write_at = 0.0, -1e9
         self._stop, self._wake = threading.Event(), threading.Event()
         self.passes = self.failures = 0    # writer passes / failed transactions (for tests and the bench)
+        self._failing = False
         self.writer_cpu_s = None
         if self.spool_dir:
             self.spool_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +128,10 @@ class DbSink:
         if not batch and beat is None:
             return True
         try:
+            drilled = {r["step"] for r in batch if r["t"] == "metrics"} & self.full_disk_at
+            if drilled:
+                self.full_disk_at -= drilled
+                raise OSError(errno.ENOSPC, "No space left on device (drill: drills.db_full_disk_at)")
             with self.engine.begin() as conn:
                 write_records(conn, self.run_id, self.attempt_id, batch, heartbeat=beat)
         except Exception as e:  # a busy or broken database must not kill training: keep the records, retry later
@@ -132,7 +139,11 @@ class DbSink:
             print(f"molt: database write failed ({type(e).__name__}: {e}); will retry", file=sys.stderr, flush=True)
             with self._lock:
                 self._pending[:0] = batch
+            if not self._failing:  # one event per streak of failures: committed with the records it held back
+                self.event("database_write_failed", f"database write failed ({type(e).__name__}: {e}); retrying")
+            self._failing = True
             return False
+        self._failing = False
         if beat is not None:
             self._beat_written, self._beat_write_at = beat, time.monotonic()
         if closed is not None:

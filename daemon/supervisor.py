@@ -24,6 +24,9 @@ from .worker import DUPLICATE
 log = logging.getLogger("molt.daemon")
 ROOT = Path(__file__).resolve().parent.parent   # on the workers' PYTHONPATH: they run this same code
 INTERRUPTED = "interrupted.json"   # runs stopped together with their daemon: the next daemon resumes them
+# A worker's first heartbeat may take this long, whatever the heartbeat timeout: a multi-rank worker beats only
+# once its rank 0 runs (torchrun imported and started, then the ranks), which a busy machine stretches past 20 s.
+FIRST_BEAT_S = 120.0
 
 
 class DaemonRunning(RuntimeError):
@@ -129,6 +132,7 @@ class Supervisor:
                 status = s.scalar(select(Run.status).where(Run.id == w.run_id))
                 beat = s.scalar(select(Attempt.heartbeat_at).where(Attempt.id == w.attempt_id))
             t = now()
+            limit = self.heartbeat_timeout if beat else max(self.heartbeat_timeout, FIRST_BEAT_S)
             if status == "stopping":
                 if w.term_at is None:
                     log.info("run %d: stop requested, SIGTERM to worker %d", w.run_id, w.pid)
@@ -138,7 +142,7 @@ class Supervisor:
                     log.warning("run %d: worker %d did not stop within %.0fs: SIGKILL", w.run_id, w.pid,
                                 self.stop_grace)
                     self.signal(w, signal.SIGKILL)
-            elif not w.hang and t - max(beat or 0.0, w.started) > self.heartbeat_timeout:
+            elif not w.hang and t - max(beat or 0.0, w.started) > limit:
                 log.warning("run %d: no heartbeat from worker %d for %.0fs: hung, SIGKILL", w.run_id, w.pid,
                             t - max(beat or 0.0, w.started))
                 w.hang = True
@@ -377,8 +381,9 @@ def cli_main(argv=None) -> int:
                                                      "`molt daemon stop --home DIR` stops one gracefully.")
     p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     p.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
-    p.add_argument("--heartbeat-timeout", type=float, default=60.0,
-                   help="seconds without a heartbeat before a worker counts as hung and is restarted (default 60)")
+    p.add_argument("--heartbeat-timeout", type=float, default=float(os.environ.get("MOLT_HEARTBEAT_TIMEOUT", 60)),
+                   help="seconds without a heartbeat before a worker counts as hung and is restarted (default "
+                        "$MOLT_HEARTBEAT_TIMEOUT, else 60: `molt serve` passes it on to its daemon)")
     p.add_argument("--backoff", type=float, default=2.0,
                    help="seconds before the first restart; doubles with each further one (default 2)")
     p.add_argument("--backoff-max", type=float, default=60.0)

@@ -1,6 +1,8 @@
 """One attempt of a run: `python -m daemon.worker RUN_ID --attempt ID --home DIR`, started by the supervisor."""
 import argparse
+import ctypes
 import os
+import signal
 import sys
 import time
 import traceback
@@ -31,6 +33,12 @@ def main(argv=None) -> int:
     # More than one process: this worker launches the ranks through torchrun and holds the lock; each rank runs
     # this module too (torchrun sets RANK); rank 0 reports and records, the others only train.
     rank = os.environ.get("RANK")
+    if rank is not None and sys.platform == "linux":
+        # torchrun starts each rank in a session of its own, out of reach of the daemon's kill of the worker's group:
+        # a rank dies with its launching worker, or a killed or hung attempt's ranks would train on beside the next
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the worker died before that
+            return 1
 
     # The run's lock, held until this process dies: a second worker of the same run can never train beside this
     # one, and the daemon tells a live worker from a dead one (even one it did not start) by probing the lock.
@@ -61,7 +69,8 @@ def main(argv=None) -> int:
         return code
 
     sink = None if rank not in (None, "0") else DbSink(  # first: it beats while torch imports
-        engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"))
+        engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"),
+        full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train

@@ -1,4 +1,5 @@
 """Checkpoints on disk: written whole or not at all (temp dir + os.replace), a `latest` pointer, pruning to the last K."""
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -8,10 +9,11 @@ import torch
 from . import dist
 
 
-def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None) -> Path:
+def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None,
+         drills=None) -> Path:
     """Write checkpoint `step-NNNNNN` under root and point `latest` at it (the policy's weights are `weights` if given,
     else `model`'s). A crash at any moment leaves either the previous complete checkpoint or this one, never a
-    half-written directory under a checkpoint's name."""
+    half-written directory under a checkpoint's name. `drills`: the run's, for drills.full_disk_at."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
@@ -19,6 +21,11 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None, w
     # A copy of the dict: save_pretrained empties the one it is given, and `weights` is still the sampler's.
     model.save_pretrained(tmp / "policy", state_dict=dict(weights) if weights is not None else None)
     processor.save_pretrained(tmp / "policy")  # a tokenizer, or a VLM's processor (tokenizer + image processor)
+    marker = root.parent / "drills" / f"full-disk-{step}"  # once per step, as the crash drill
+    if drills is not None and step in drills.full_disk_at and not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        raise OSError(errno.ENOSPC, "No space left on device (drill: drills.full_disk_at)", str(tmp))
     if reference is not None:
         reference.save_pretrained(tmp / "reference")
     torch.save(state, tmp / "state.pt")

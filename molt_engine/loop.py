@@ -424,7 +424,7 @@ class Training:
         if dist.rank() > 0:
             return
         path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.sampler.model, self.processor,
-                                       state, self.reference, weights)
+                                       state, self.reference, weights, self.cfg.drills)
         await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep)
         self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
                              seconds=time.perf_counter() - t0)
