@@ -64,7 +64,7 @@ def main():
                         if theme == "light":
                             shoot(page, args.out / f"runs-list-{size}.png")
                         page.goto(f"{child.base}/runs/{run_id}")
-                        page.wait_for_selector("#chart-reward:not([hidden]) canvas")
+                        page.wait_for_selector("#chart-reward_mean:not([hidden]) canvas")
                         page.wait_for_selector("#log pre")
                         shoot(page, args.out / f"run-page-{theme}-{size}.png")
                         if theme == "light":

@@ -108,7 +108,7 @@ async def ws_first(url, **kw):
     ({"config": {"env": "max_digit"}, "tags": [f"t{i}" for i in range(51)]}, ["body", "tags"]),
     ({"config": {"env": "max_digit"}, "max_restarts": -1}, ["body", "max_restarts"]),
     ({"config": {"env": "max_digit"}, "nmae": "x"}, ["body", "nmae"]),
-    ({}, ["body", "config"]),
+    ({}, ["body", "config", "env"]),  # a body without "config" is a bare config: the env it lacks is named
 ])
 def test_invalid_input_is_a_422_naming_the_field(web, body, field):
     response = web["client"].post("/api/v1/runs", json=body)

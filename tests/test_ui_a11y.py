@@ -107,7 +107,7 @@ def open_page(context, site, path):
     if "/samples" in path:
         page.wait_for_selector("#samples[data-loaded]")
     if path.startswith("/runs/") and path.count("/") == 2 and path != "/runs/new":
-        page.wait_for_selector("#chart-reward:not([hidden]) canvas")
+        page.wait_for_selector("#chart-reward_mean:not([hidden]) canvas")
     return page
 
 
@@ -131,7 +131,7 @@ def test_axe_and_text_contrast_on_the_main_pages(site, browser, theme):
         problems += [f"{name}: axe {v['id']} ({v['impact']}): {[n['target'] for n in v['nodes']][:5]}"
                      for v in found if v["impact"] in ("serious", "critical")]
         if name == "run page":
-            ticks = page.locator("#chart-reward").evaluate(TICKS)
+            ticks = page.locator("#chart-reward_mean").evaluate(TICKS)
             if ticks < 4.5:
                 problems.append(f"{name}: chart tick labels at {ticks:.2f}:1")
         page.close()
@@ -148,14 +148,14 @@ def test_theme_toggle_is_remembered_and_set_before_the_first_paint(site, browser
     html = httpx.get(f"{site['base']}/runs/new", headers={"Authorization": f"Bearer {TOKEN}"}).text
     assert html.index("molt-theme") < html.index("app.css") < html.index("<body")
     page.goto(f"{site['base']}/runs/{site['done']}")
-    page.wait_for_selector("#chart-reward:not([hidden]) canvas")
-    light_ticks = page.locator("#chart-reward").evaluate(TICKS)
+    page.wait_for_selector("#chart-reward_mean:not([hidden]) canvas")
+    light_ticks = page.locator("#chart-reward_mean").evaluate(TICKS)
     page.select_option("select.theme", "dark")
     expect(page.locator("html")).to_have_attribute("data-theme", "dark")
     assert page.evaluate("getComputedStyle(document.body).backgroundColor") == DARK_BG
     # the charts redraw in the new theme: light tick labels on the dark chart
-    page.wait_for_function("document.querySelector('#chart-reward').matches(':not([hidden])')")
-    dark_ticks = page.locator("#chart-reward").evaluate(TICKS)
+    page.wait_for_function("document.querySelector('#chart-reward_mean').matches(':not([hidden])')")
+    dark_ticks = page.locator("#chart-reward_mean").evaluate(TICKS)
     assert light_ticks >= 4.5 and dark_ticks >= 4.5, (light_ticks, dark_ticks)
     page.goto(f"{site['base']}/runs/new")  # another page, and a reload: still dark, and the toggle says so
     page.reload()

@@ -96,12 +96,19 @@ def test_every_error_at_once_under_the_input_that_holds_the_value_marked_and_foc
     expect(advanced.filter(has_text="algo.lr")).to_have_count(1)
     expect(advanced.filter(has_text="loop.stepz")).to_contain_text("did you mean `loop.steps`?")
     expect(errors("lr")).to_have_count(0)  # the lr input holds 0.001, not the -1 that was refused
+    bad = page.evaluate("""() => {  // the palette's --bad as a computed colour
+        const probe = document.body.appendChild(document.createElement("i"));
+        probe.style.color = "var(--bad)";
+        const color = getComputedStyle(probe).color;
+        probe.remove();
+        return color;
+    }""")
     for name, invalid in [("input[name=steps]", True), ("input[name=group_size]", True),
                           ("textarea[name=advanced]", True), ("input[name=lr]", False), ("input[name=name]", False)]:
         field = form.locator(name)
         if invalid:
             expect(field).to_have_attribute("aria-invalid", "true")
-            assert field.evaluate("e => getComputedStyle(e).borderTopColor") == "rgb(220, 38, 38)"  # --bad
+            assert field.evaluate("e => getComputedStyle(e).borderTopColor") == bad
             described = field.get_attribute("aria-describedby")
             assert described and page.locator(f"#{described.split()[0]}").count() == 1
         else:
