@@ -27,6 +27,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import httpx2
 import openai
 import torch
 from chat_learning import warm_started
@@ -75,7 +76,8 @@ class ResponsesCalculatorAgent(CalculatorAgent):
 
 @register
 class MessagesCalculatorAgent(CalculatorAgent):
-    """The calculator agent on Anthropic's Messages API, through the anthropic SDK over 127.0.0.1."""
+    """The calculator agent on Anthropic's Messages API, through the anthropic SDK over 127.0.0.1 (its client is
+    httpx2, which the episode's in-process httpx client is not)."""
     name = "calculator_agent_messages"
 
     async def run(self, ctx):
@@ -83,7 +85,10 @@ class MessagesCalculatorAgent(CalculatorAgent):
         messages = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
         tool = CALCULATOR["function"]
         tools = [{"name": tool["name"], "description": tool["description"], "input_schema": tool["parameters"]}]
-        async with anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key) as client:
+        # The SDK's own HTTP client (httpx2) builds an SSL context per client (~60 ms): one shared context instead
+        http = httpx2.AsyncClient(verify=TLS, trust_env=False)
+        async with anthropic.AsyncAnthropic(base_url=ctx.anthropic_base_url, api_key=ctx.api_key,
+                                            http_client=http) as client:
             for _ in range(self.max_turns):
                 reply = await client.messages.create(model=ctx.model, max_tokens=self.max_tokens, messages=messages,
                                                      tools=tools)
