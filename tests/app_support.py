@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from sqlmodel import Session
 
+from daemon.db import set_run
 from daemon.models import Attempt
 from daemon.records import Records
 from daemon.sink import DbSink
@@ -208,3 +210,20 @@ def logged_in(web) -> tuple[httpx.Client, str]:
     page = browser.get("/runs/new").text
     csrf = page.split('name="csrf_token" value="')[1].split('"')[0]
     return browser, csrf
+
+
+def trained_run(records: Records, config: dict, name: str, **values) -> dict:
+    """A run trained in this process into `records` (a real database), then marked completed (with `values`). In a
+    thread: Playwright's sync API keeps an event loop running on this one."""
+    from molt_engine import train
+
+    run = records.create_run(config, name=name)
+    sink = DbSink(records.engine, run["id"], 0)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(train, config, sink).result()
+    finally:
+        sink.close()
+    with records.engine.begin() as conn:
+        set_run(conn, run["id"], status="completed", **values)
+    return run

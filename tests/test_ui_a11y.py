@@ -2,18 +2,14 @@
 light and dark: axe-core (axe-playwright-python) finds no serious or critical violation, and every visible piece of
 text reads at >= 4.5:1 (3:1 when large) against its effective background, computed in the browser; the charts' tick
 labels too (read off the canvas). The header's theme toggle is remembered and applied before the first paint."""
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
-from app_support import web_thread
-from daemon.db import set_run
+from app_support import trained_run, web_thread
 from daemon.records import Records
-from daemon.sink import DbSink
-from molt_engine import train
 
 TOKEN = "a11y-token"
 TINY = {"env": "max_digit", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
@@ -80,15 +76,7 @@ def site(tmp_path_factory):
     """The app (no daemon) over a home with one finished run (trained in this process, with samples) and one queued."""
     home = tmp_path_factory.mktemp("home")
     records = Records(home)
-    done = records.create_run(TINY, name="finished")
-    sink = DbSink(records.engine, done["id"], 0)
-    try:  # in a thread: Playwright's sync API keeps an event loop running on this one
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(train, TINY, sink).result()
-    finally:
-        sink.close()
-    with records.engine.begin() as conn:
-        set_run(conn, done["id"], status="completed", step=4)
+    done = trained_run(records, TINY, "finished", step=4)
     queued = records.create_run(TINY, name="queued")
     with web_thread(home, TOKEN) as (base, _app):
         yield {"base": base, "done": done["id"], "queued": queued["id"]}

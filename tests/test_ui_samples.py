@@ -5,17 +5,14 @@ marked, a keyboard-reachable token tooltip, one meaning per colour scale, a lege
 in the URL, "no samples yet" for a queued run. A policy taught to write <script> and an
 onerror attribute: its text shows as characters, no dialog opens, no script runs. Screenshots go to test-artifacts/."""
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from playwright.sync_api import expect
 
-from app_support import serve, web_thread
+from app_support import serve, trained_run, web_thread
 from conftest import screenshot
-from daemon.db import set_run
 from daemon.records import Records
-from daemon.sink import DbSink
-from molt_engine import Env, Observation, Result, train
+from molt_engine import Env, Observation, Result
 from molt_engine.envs import ENVS, register
 
 STALE = {"env": "guess_number", "warm_start": {"steps": 10}, "checkpoint": {"every": 0},
@@ -185,15 +182,7 @@ def test_model_text_that_is_html_shows_as_text_and_nothing_runs(tmp_path, page, 
     config = {"env": html_env, "warm_start": {"steps": 150, "batch_size": 4},
               "loop": {"steps": 1, "groups_per_step": 1, "group_size": 2, "eval_every": 1, "eval_episodes": 1}}
     records = Records(tmp_path)
-    run = records.create_run(config, name="html")
-    sink = DbSink(records.engine, run["id"], 0)
-    try:  # in a thread: Playwright's sync API keeps an event loop running on this one
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(train, config, sink).result()
-    finally:
-        sink.close()
-    with records.engine.begin() as conn:
-        set_run(conn, run["id"], status="completed")
+    run = trained_run(records, config, "html")
     queued = records.create_run(config, name="queued")  # no daemon here: it stays queued
     emitted = [s for s in records.samples(run["id"], limit=100) if PAYLOAD in s["text"].removeprefix(s["prompt"])]
     assert emitted, "the policy did not learn to write the payload"
