@@ -17,9 +17,9 @@ from PIL import Image  # noqa: E402
 from playwright.sync_api import sync_playwright  # noqa: E402
 
 RUNS = {  # a text run with evals, and a shorter one beside it in the list
-    "max-digit-demo": {"env": "max_digit", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
-                       "loop": {"steps": 12, "groups_per_step": 2, "group_size": 4, "eval_every": 4,
-                                "eval_episodes": 2}},
+    "max-digit-demo": {"env": "max_digit", "warm_start": {"steps": 20}, "checkpoint": {"every": 0},  # it learns
+                       "loop": {"steps": 30, "groups_per_step": 4, "group_size": 4, "eval_every": 5,
+                                "eval_episodes": 8}},
     "guess-number-demo": {"env": "guess_number", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
                           "loop": {"steps": 6, "groups_per_step": 2, "group_size": 3, "eval_every": 0}},
 }
