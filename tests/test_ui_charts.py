@@ -176,3 +176,14 @@ def test_the_overview_strip_alerts_and_recent_events_come_before_the_charts(fini
     assert page.url.endswith("#alerts-panel")
     expect(page.locator("#run-alerts")).not_to_have_text("0")
     screenshot(page, "run-page-overview.png")
+
+
+def test_at_390_px_the_charts_stack_in_one_column_and_nothing_is_cut_off(finished, page):
+    page.set_viewport_size({"width": 390, "height": 844})
+    open_run(page, finished)
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    boxes = [c.bounding_box() for c in page.locator(".chart:not([hidden])").all()[:4]]
+    assert len(boxes) == 4 and all(b and b["x"] >= 0 and b["x"] + b["width"] <= 390 for b in boxes)
+    assert len({round(b["x"]) for b in boxes}) == 1  # one column
+    canvas = page.locator(".chart:not([hidden]) canvas").first.bounding_box()
+    assert canvas and canvas["x"] + canvas["width"] <= 390
