@@ -130,7 +130,9 @@ def list_context(request: Request, f: dict) -> dict:
         archived=None if f["archived"] else False, sort=f["sort"], descending=f["order"] == "desc",
         limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"])
     for r in runs:
-        r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
+        shown = {k: v for k, v in r.items() if k != "config"} | {"env": r["config"].get("env"),
+                                                                   "model": r["config"].get("model")}
+        r["etag"] = f"{zlib.crc32(json.dumps(shown, sort_keys=True, default=str).encode()):08x}"
         r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
     defaults = {"offset": f["offset"], "sort": "created", "order": "desc"}  # left out of the URLs
     state = {k: v for k, v in f.items() if v and defaults.get(k) != v}

@@ -90,7 +90,7 @@ class Records:
         if sort not in keys:
             raise ValueError(f"sort must be one of {', '.join(RUN_SORTS)}, not {sort!r}")
         order = keys[sort].desc() if descending else keys[sort].asc()
-        q_ = (select(Run, best_eval).order_by(order, Run.id.desc()).limit(limit).offset(offset))
+        q_ = select(Run).order_by(order, Run.id.desc()).limit(limit).offset(offset)
         if before is not None:
             q_ = q_.where(Run.id < before)
         if status:
@@ -108,10 +108,13 @@ class Records:
                 "EXISTS (SELECT 1 FROM json_each(run.tags) WHERE json_each.value LIKE :like ESCAPE '\\')")
                 .bindparams(like=like))
         with Session(self.engine) as s:
-            rows = s.execute(q_).all()
+            runs = s.scalars(q_).all()
             open_alerts = dict(s.execute(select(Alert.run_id, func.count()).where(~Alert.acknowledged)
                                          .group_by(Alert.run_id)).all())
-            return [{**self._run_dict(s, r, open_alerts.get(r.id, 0)), "best_eval": best} for r, best in rows]
+            # the page's best evals in one grouped query (a subquery per row cost ~8 ms a page of 100 runs)
+            best = dict(s.execute(select(Metric.run_id, func.max(Metric.value)).where(
+                Metric.name == "eval_reward", Metric.run_id.in_([r.id for r in runs])).group_by(Metric.run_id)).all())
+            return [{**self._run_dict(s, r, open_alerts.get(r.id, 0)), "best_eval": best.get(r.id)} for r in runs]
 
     def run_envs(self) -> list[str]:
         """The envs of the recorded runs, for the runs list's filter."""
