@@ -1,6 +1,7 @@
 """The Responses API face of the loopback server (`POST /v1/responses`): input items to chat messages, the request
 core's reply to output items and, when streamed, to the Responses event stream."""
 import functools
+import itertools
 import json
 import time
 import uuid
@@ -99,7 +100,7 @@ def chat_tool(tool: dict, i: int) -> dict:
 
 async def events(response: dict):
     """The response as the Responses event stream: created, each output item with its text or arguments, completed."""
-    sequence = iter(range(1_000_000))
+    sequence = itertools.count()
 
     def event(kind: str, **data) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(sequence), **data})}\n\n"

@@ -176,15 +176,15 @@ class AgentServer:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "molt"}]}
 
     async def chat_completions(self, name: str, body: ChatBody, request: Request):
-        return await self.answer(name, body, request, self.chat_reply)
+        return await self.answer(name, body, request, self.chat_reply, lambda out: _sse(_chat_chunks(out, body)))
 
     async def completions(self, name: str, body: CompletionBody, request: Request):
-        return await self.answer(name, body, request, self.text_reply)
+        return await self.answer(name, body, request, self.text_reply, lambda out: _sse([out]))
 
-    async def answer(self, name: str, body: _Body, request: Request, reply, stream=None):
+    async def answer(self, name: str, body: _Body, request: Request, reply, stream):
         """A request's reply, sampled once: the SDK's retry of a request (same body, x-stainless-retry-count > 0)
-        gets the recorded reply, or waits for it while it is still being sampled. `stream` turns the reply into its
-        API's server-sent events."""
+        gets the recorded reply, or waits for it while it is still being sampled. `stream(reply)` gives the reply as
+        its API's server-sent events."""
         ep = self.authorized(name, request)
         if body.model != self.model:
             raise OpenAIError(404, f"the model {body.model!r} does not exist; this endpoint serves {self.model!r}",
@@ -203,9 +203,7 @@ class AgentServer:
                               code="episode_ended") from None
         if not body.stream:
             return JSONResponse(out)  # as it is: FastAPI's encoder would walk the plain dict for nothing
-        if stream is None:
-            stream = _sse(_chat_chunks(out, body) if out["object"] == "chat.completion" else [out])
-        return StreamingResponse(stream(out) if callable(stream) else stream, media_type="text/event-stream")
+        return StreamingResponse(stream(out), media_type="text/event-stream")
 
     async def chat_turn(self, ep: _Episode, body: _Body, messages: list[dict], tools: list | None, choice,
                         max_tokens: int | None, top: int | None = None) -> dict:
