@@ -7,6 +7,7 @@ import socket
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated
 from urllib.parse import urlencode
 
@@ -128,12 +129,13 @@ def list_context(request: Request, f: dict) -> dict:
     runs = request.app.state.records.list_runs(
         status=f["status"], tag=f["tag"] or None, env=f["env"] or None, q=f["q"] or None,
         archived=None if f["archived"] else False, sort=f["sort"], descending=f["order"] == "desc",
-        limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"])
+        limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"], config=False)
     for r in runs:
-        shown = {k: v for k, v in r.items() if k != "config"} | {"env": r["config"].get("env"),
-                                                                   "model": r["config"].get("model")}
-        r["etag"] = f"{zlib.crc32(json.dumps(shown, sort_keys=True, default=str).encode()):08x}"
+        r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
         r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
+    # attributes, not dict keys: Jinja tries `r.name` as an attribute first, and a failed try per cell was a third
+    # of the page's render time
+    runs = [SimpleNamespace(**r) for r in runs]
     defaults = {"offset": f["offset"], "sort": "created", "order": "desc"}  # left out of the URLs
     state = {k: v for k, v in f.items() if v and defaults.get(k) != v}
     older = {**state, "offset": f["offset"] + RUNS_PER_PAGE} if len(runs) > RUNS_PER_PAGE else None
@@ -288,7 +290,7 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
     return render(request, "compare.html", runs=runs, rows=rows if all else differing, all=all,
                   differing=len(differing), total=len(rows), ids=",".join(str(r["id"]) for r in runs),
                   page={"run_ids": [r["id"] for r in runs], "names": {r["id"]: r["name"] for r in runs}},
-                  recent=records.list_runs(limit=30))
+                  recent=records.list_runs(limit=30, config=False))
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -70,16 +70,18 @@ class Records:
             s.add(run)
             s.flush()  # the id, for the event; one commit then makes both visible to the daemon together
             add_event(s, run.id, "queued", f"run queued: {run.name}")
-            queued = self._run_dict(s, run)  # as queued: once committed, the daemon may start it at any moment
+            queued = self._run_dict(s, _dict(run))  # as queued: the daemon may start it once committed
             s.commit()
             return queued
 
     def list_runs(self, status: str | list[str] | None = None, tag: str | None = None,
                   limit: int | None = None, before: int | None = None, env: str | None = None,
                   q: str | None = None, archived: bool | None = None, sort: str = "created",
-                  descending: bool = True, offset: int | None = None) -> list[dict]:
+                  descending: bool = True, offset: int | None = None, config: bool = True) -> list[dict]:
         """Newest first (or by `sort`, one of RUN_SORTS); with `before`, only the runs older than that run id (the
-        next page). `q` matches the name, notes or a tag (case-insensitive for ASCII); `archived` None = both."""
+        next page). `q` matches the name, notes or a tag (case-insensitive for ASCII); `archived` None = both. Each
+        run has its `env` and `model` (path, else preset); `config=False` leaves out the rest of the config (the
+        runs page: decoding 100 configs was most of its time)."""
         best_eval = (select(func.max(Metric.value)).where(Metric.run_id == Run.id, Metric.name == "eval_reward")
                      .scalar_subquery())  # NaN is stored as NULL: max() skips it
         keys = {"created": Run.id, "status": Run.status, "env": func.json_extract(Run.config, "$.env"),
@@ -90,7 +92,9 @@ class Records:
         if sort not in keys:
             raise ValueError(f"sort must be one of {', '.join(RUN_SORTS)}, not {sort!r}")
         order = keys[sort].desc() if descending else keys[sort].asc()
-        q_ = select(Run).order_by(order, Run.id.desc()).limit(limit).offset(offset)
+        columns = [c for c in Run.__table__.columns if config or c.name != "config"]  # plain rows: no ORM objects
+        q_ = (select(*columns, keys["env"].label("env"), keys["model"].label("model"))
+              .order_by(order, Run.id.desc()).limit(limit).offset(offset))
         if before is not None:
             q_ = q_.where(Run.id < before)
         if status:
@@ -108,13 +112,15 @@ class Records:
                 "EXISTS (SELECT 1 FROM json_each(run.tags) WHERE json_each.value LIKE :like ESCAPE '\\')")
                 .bindparams(like=like))
         with Session(self.engine) as s:
-            runs = s.scalars(q_).all()
+            rows = s.execute(q_).mappings().all()
             open_alerts = dict(s.execute(select(Alert.run_id, func.count()).where(~Alert.acknowledged)
                                          .group_by(Alert.run_id)).all())
             # the page's best evals in one grouped query (a subquery per row cost ~8 ms a page of 100 runs)
             best = dict(s.execute(select(Metric.run_id, func.max(Metric.value)).where(
-                Metric.name == "eval_reward", Metric.run_id.in_([r.id for r in runs])).group_by(Metric.run_id)).all())
-            return [{**self._run_dict(s, r, open_alerts.get(r.id, 0)), "best_eval": best.get(r.id)} for r in runs]
+                Metric.name == "eval_reward", Metric.run_id.in_([r["id"] for r in rows]))
+                        .group_by(Metric.run_id)).all())
+            return [{**self._run_dict(s, dict(r), open_alerts.get(r["id"], 0)), "best_eval": best.get(r["id"])}
+                    for r in rows]
 
     def run_envs(self) -> list[str]:
         """The envs of the recorded runs, for the runs list's filter."""
@@ -153,7 +159,7 @@ class Records:
     def get_run(self, run_id: int) -> dict:
         with Session(self.engine) as s:
             best = s.scalar(select(func.max(Metric.value)).where(Metric.run_id == run_id, Metric.name == "eval_reward"))
-            return {**self._run_dict(s, self._get(s, run_id)), "best_eval": best}
+            return {**self._run_dict(s, _dict(self._get(s, run_id))), "best_eval": best}
 
     def stop_run(self, run_id: int) -> dict:
         """A queued run stops at once; a running one becomes `stopping`: the daemon sends SIGTERM, the worker
@@ -402,13 +408,11 @@ class Records:
             self._get(s, run_id)
             return [_dict(r) for r in s.scalars(q)]
 
-    def _run_dict(self, s: Session, run: Run, open_alerts: int | None = None) -> dict:
-        d = _dict(run)
+    def _run_dict(self, s: Session, run: dict, open_alerts: int | None = None) -> dict:
+        """A run's row (`_dict`) as the API shows it: its open alerts counted, its pid only while it is active."""
         if open_alerts is None:
-            open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run.id, ~Alert.acknowledged))
-        d["alerts_open"] = open_alerts
-        d["pid"] = run.pid if run.status in ACTIVE else None
-        return d
+            open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run["id"], ~Alert.acknowledged))
+        return {**run, "alerts_open": open_alerts, "pid": run["pid"] if run["status"] in ACTIVE else None}
 
 
 def extremes(values: np.ndarray, max_points: int | None) -> np.ndarray:
