@@ -223,7 +223,8 @@ def evaluate(client, args) -> int:
         except ValueError:
             print(f"molt eval: --min takes METRIC=VALUE (a number), not {item!r}", file=sys.stderr)
             return EXIT_BAD_INPUT
-    body = {"checkpoint": int(args.checkpoint) if args.checkpoint.isdigit() else args.checkpoint,
+    step = args.checkpoint.isascii() and args.checkpoint.isdigit()
+    body = {"checkpoint": int(args.checkpoint) if step else args.checkpoint,
             "episodes": args.episodes, "k": args.k, "temperature": args.temperature, "seed": args.seed}
     for key, value, as_json in [("run_id", args.run, False), ("model", args.model, True), ("env", args.env, False),
                                 ("env_args", args.env_args, True), ("dataset", args.dataset, False)]:

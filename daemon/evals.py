@@ -116,7 +116,7 @@ def policy_of(run: Run, home: Path, checkpoint: str | int) -> tuple[Path, int | 
     out = run_dir(home, run.id)
     steps = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")
                    if (p / "state.pt").exists())
-    if isinstance(checkpoint, int) or checkpoint.isdigit():
+    if isinstance(checkpoint, int) or (checkpoint.isascii() and checkpoint.isdigit()):
         if int(checkpoint) not in steps:
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no checkpoint at step {checkpoint}; it has "
                                                f"{', '.join(map(str, steps)) or 'none'}")
@@ -202,7 +202,8 @@ class EvalWorkers:
                                                         Evaluation.id.not_in(list(self.workers)))).all():
                 holder = lock_holder(eval_dir(self.sup.home, e.id) / "worker.lock")
                 if holder and holder.isdigit():
-                    self.workers[e.id] = EvalWorker(int(holder), None, gpus=tuple(filter(None, (e.gpus or "").split(","))))
+                    gpus = tuple(filter(None, (e.gpus or "").split(",")))
+                    self.workers[e.id] = EvalWorker(int(holder), None, gpus=gpus)
                 elif holder is None:  # its worker died with the last daemon: not its own failure
                     status = "stopped" if e.status == "stopping" else "restarting"
                     s.execute(update(Evaluation).where(Evaluation.id == e.id).values(status=status, pid=None))
@@ -213,7 +214,7 @@ class EvalWorkers:
                                 .order_by(Evaluation.status != "restarting", Evaluation.id).limit(max(free, 0))).all()
             for e in waiting:
                 needed = 1 if self.sup.gpus else 0
-                gpus = [g for g in self.sup.free_gpus()][:needed]
+                gpus = self.sup.free_gpus()[:needed]
                 if len(gpus) < needed:
                     break
                 self.start(s, e, gpus)
