@@ -224,15 +224,18 @@ class EvalWorkers:
         if w.log:
             w.log.close()
         e = s.get(Evaluation, eval_id, populate_existing=True)
-        cause = f"killed by {signal.Signals(-rc).name}" if rc and rc < 0 else f"exit code {rc}"
+        cause = (f"killed by {signal.Signals(-rc).name}" if rc and rc < 0 else f"exit code {rc}" if rc is not None
+                 else "gone (adopted: exit status unknown)")
         if e.status == "stopping":
             values = {"status": "stopped", "finished_at": now()}
         elif e.status in ENDED:
             return
         elif e.restarts < e.max_restarts:
-            values = {"status": "restarting", "restarts": e.restarts + 1, "last_error": f"worker {cause}"}
+            values = {"status": "restarting", "restarts": e.restarts + 1,
+                      "last_error": e.last_error if rc == 1 else f"worker {cause}"}  # 1: it recorded its error
         else:
-            values = {"status": "failed", "finished_at": now(), "last_error": e.last_error or f"worker {cause}"}
+            values = {"status": "failed", "finished_at": now(),
+                      "last_error": e.last_error if rc == 1 else f"worker {cause}"}
         s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status == e.status)
                   .values(pid=None, **values))
         s.commit()
@@ -353,13 +356,17 @@ async def evaluate(engine, eval_id: int):
 
 
 def eval_summary(results: dict, k: int) -> dict:
-    """The metrics of finished episodes (position -> [reward, success, env metrics, error]): the scores, the errors,
-    and the means of the env's own metrics over the episodes that report them."""
+    """The metrics of finished episodes (position -> [reward, success, env metrics, error]): the scores, the mean
+    reward's standard error, the errors, and the means of the env's own metrics over the episodes that report them."""
     ordered = [results[str(i)] for i in range(len(results))]
     prompts = [[(r[0], r[1]) for r in ordered[p:p + k]] for p in range(0, len(ordered), k)]
     reported = [r[2] for r in ordered]
     names = sorted({name for m in reported for name in m})
-    return {**scores(prompts, k), "episodes": len(ordered), "errors": sum(r[3] is not None for r in ordered),
+    rewards = [r[0] for r in ordered]
+    mean = sum(rewards) / len(rewards)
+    spread = sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)  # the standard error, for comparing
+    return {**scores(prompts, k), "mean_reward_se": (spread / len(rewards)) ** 0.5, "episodes": len(ordered),
+            "errors": sum(r[3] is not None for r in ordered),
             **{name: sum(m[name] for m in reported if name in m) / sum(name in m for m in reported)
                for name in names}}
 

@@ -2,9 +2,9 @@
 checkpoints evaluated by the daemon through `molt eval`, with a worker SIGKILLed mid-evaluation."""
 import json
 import os
+import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +89,20 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         final = client.get(f"/api/v1/evals/{evaluation['id']}/wait", params={"timeout": 60}).json()
         assert final["status"] == "stopped"
         assert client.post(f"/api/v1/evals/{evaluation['id']}/stop").status_code == 409
+
+        # the Evaluations page lists it, and its form (the run page's Evaluate) names a bad field on the form
+        page = client.get("/evals", params={"run_id": other["id"]})
+        assert page.status_code == 200 and f'id="eval-{evaluation["id"]}"' in page.text and "stopped" in page.text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+        form = {"run_id": other["id"], "checkpoint": "7", "episodes": 8, "k": 2, "temperature": 0, "csrf_token": csrf}
+        refused = client.post("/evals", data=form, headers={"Origin": studio.base})
+        assert refused.status_code == 422 and "checkpoint: run" in refused.text and "at step 7" in refused.text
+        queued = client.post("/evals", data={**form, "checkpoint": "5"}, headers={"Origin": studio.base})
+        assert queued.status_code == 303 and queued.headers["location"] == f"/evals?run_id={other['id']}"
+        listed = client.get("/api/v1/evals", params={"run_id": other["id"]}).json()
+        assert [e["step"] for e in listed] == [5, 10]
+        client.post(f"/api/v1/evals/{listed[0]['id']}/stop")  # its checkpoint is an empty stand-in: never run it
+        assert f'href="/evals?run_id={other["id"]}"' in client.get(f"/runs/{other['id']}").text  # Evaluate…
 
 
 TRAIN = {"env": "max_digit", "seed": 0, "warm_start": {"steps": 150},
