@@ -161,7 +161,8 @@ def test_a_trained_runs_best_scores_high_its_initial_policy_low_and_a_killed_wor
                              300, 0.05, message="16 episodes recorded")
         assert running["done"] < 256, "finished before the kill: make it longer"
         os.killpg(running["pid"], signal.SIGKILL)
-        final = client.get(f"/api/v1/evals/{eval_id}/wait", params={"timeout": 600}).json()
+        final = wait_until(lambda: (e := client.get(f"/api/v1/evals/{eval_id}/wait", params={"timeout": 30}).json())
+                           ["status"] in ("completed", "failed", "stopped") and e, 600, message="the evaluation's end")
         assert final["status"] == "completed", final
         assert final["restarts"] == 1 and "SIGKILL" in final["last_error"]
         assert final["metrics"]["episodes"] == 256 and 0 <= final["metrics"]["pass@4"] <= 1
