@@ -75,7 +75,7 @@ def server_options(p):
                    help="default $MOLT_TOKEN, else the token file of the local data directory ($MOLT_HOME, else "
                         "the user data directory)")
 
-# ---- runs (REST client) -----------------------------------------------------------------------------------------------
+# ---- runs (REST client) ---------------------------------------------------------------------------------------
 
 def cmd_runs(args) -> int:
     import httpx

@@ -1,4 +1,5 @@
-"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts, events and samples."""
+"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts, events, samples,
+evaluations."""
 import time
 
 from sqlalchemy import JSON, Boolean, Column, Index, Text, UniqueConstraint
