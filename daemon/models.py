@@ -1,5 +1,4 @@
-"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts, events, samples,
-evaluations."""
+"""The records: SQLModel tables of runs, attempts, metrics, versions, checkpoints, alerts, events, samples, evals."""
 import time
 
 from sqlalchemy import JSON, Boolean, Column, Index, Text, UniqueConstraint

@@ -102,6 +102,8 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         listed = client.get("/api/v1/evals", params={"run_id": other["id"]}).json()
         assert [e["step"] for e in listed] == [5, 10]
         client.post(f"/api/v1/evals/{listed[0]['id']}/stop")  # its checkpoint is an empty stand-in: never run it
+        table = client.get("/evals.csv", params={"run_id": other["id"]}).text.splitlines()
+        assert table[0].startswith("id,run_id,checkpoint,step,env,episodes,k,temperature,status") and len(table) == 3
         assert f'href="/evals?run_id={other["id"]}"' in client.get(f"/runs/{other['id']}").text  # Evaluate…
 
 
