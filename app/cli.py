@@ -1,5 +1,6 @@
 """The `molt` command line: `molt serve` (the dashboard with its daemon), `molt train` (headless, no server),
-`molt daemon` and `molt web` (the two halves of serve, for production), `molt runs ...` (the REST API, for CI)."""
+`molt daemon` and `molt web` (the two halves of serve, for production); `molt runs ...` and `molt eval` (the REST
+API's client, for CI) are in remote.py."""
 import argparse
 import json
 import os
@@ -9,9 +10,9 @@ import threading
 import time
 from pathlib import Path
 
-# `molt train`, `molt runs create --wait` / `molt runs wait`: the exit status says how the run ended
-EXIT_CODES = {"completed": 0, "failed": 1, "tripped": 3, "stopped": 4}
-EXIT_BAD_INPUT, EXIT_UNREACHABLE, EXIT_TIMEOUT = 2, 5, 124
+from . import remote
+from .remote import EXIT_CODES, read_json
+
 STOP_GRACE = 120.0  # seconds a stopping worker gets to finish its step and checkpoint before SIGKILL
 
 
@@ -56,40 +57,7 @@ def main(argv=None):
                                                  "(`molt daemon stop` stops one)", add_help=False)
     d.add_argument("daemon_args", nargs=argparse.REMAINDER, help="see `molt daemon --help`")
 
-    r = commands.add_parser("runs", help="create, watch and control runs through the REST API (for CI)",
-                            description="Talks to a running `molt serve`/`molt web`. Exit status of create --wait "
-                                        "and wait: 0 completed, 1 failed, 3 tripped, 4 stopped, 124 timed out, "
-                                        "2 invalid input, 5 server unreachable or token refused.")
-    r.add_argument("--url", default=os.environ.get("MOLT_URL", "http://127.0.0.1:8000"),
-                   help="the server (default $MOLT_URL, else http://127.0.0.1:8000)")
-    r.add_argument("--token", default=None,
-                   help="default $MOLT_TOKEN, else the token file of the local data directory ($MOLT_HOME, else the user data directory)")
-    rc = r.add_subparsers(dest="runs_command", required=True)
-    c = rc.add_parser("create", help="queue a run from a JSON config")
-    c.add_argument("--config", type=Path, required=True, help="a run config (or a request body with a config key)")
-    c.add_argument("--name")
-    c.add_argument("--tag", action="append", default=None, help="repeatable")
-    c.add_argument("--max-restarts", type=int)
-    c.add_argument("--wait", action="store_true", help="wait until the run ends; the exit status says how")
-    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
-    lst = rc.add_parser("list", help="runs, newest first")
-    lst.add_argument("--status", action="append")
-    lst.add_argument("--tag")
-    for name, text in [("get", "a run as JSON"), ("stop", "stop a run (it checkpoints first)"),
-                       ("resume", "continue a stopped, failed or tripped run from its latest checkpoint")]:
-        sub = rc.add_parser(name, help=text)
-        sub.add_argument("id", type=int)
-    wt = rc.add_parser("wait", help="wait until a run ends; the exit status says how")
-    wt.add_argument("id", type=int)
-    wt.add_argument("--timeout", type=float)
-    for sub in (c, lst, wt):  # create and wait print a summary unless --json (the config alone is ~130 lines)
-        sub.add_argument("--json", action="store_true", help="the whole record (config included), not a summary")
-    m = rc.add_parser("metrics", help="a run's metrics as JSON (or CSV)")
-    m.add_argument("id", type=int)
-    m.add_argument("--names", help="comma-separated")
-    m.add_argument("--max-points", type=int, help="min/max-bucketed to this many points per series")
-    m.add_argument("--csv", action="store_true", help="every value, as CSV")
-    r.set_defaults(func=cmd_runs)
+    remote.add_commands(commands)
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["daemon"]:  # argparse's REMAINDER would swallow `--help` itself
@@ -214,143 +182,6 @@ def shutdown(records, keeper, args):
         if keeper.proc is not None:
             keeper.proc.wait(15)  # our child: reaped here, or it would linger as a zombie
     print("molt serve: stopped", flush=True)
-
-
-# ---- runs (REST client) -----------------------------------------------------------------------------------------------
-
-def cmd_runs(args) -> int:
-    import httpx
-    token = args.token or os.environ.get("MOLT_TOKEN") or local_token()
-    if not token:
-        print("molt runs: no token: pass --token, set MOLT_TOKEN, or run where the data directory is",
-              file=sys.stderr)
-        return EXIT_UNREACHABLE
-    client = httpx.Client(base_url=args.url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=60)
-    try:
-        return RUNS_COMMANDS[args.runs_command](client, args)
-    except httpx.HTTPError as e:
-        print(f"molt runs: cannot reach {args.url}: {e}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except ApiError as e:
-        print(f"molt runs: {e}", file=sys.stderr)
-        return e.code
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-def local_token() -> str | None:
-    from daemon.db import data_home
-    path = data_home() / "token"
-    return path.read_text().strip() if path.exists() else None
-
-
-def call(client, method: str, path: str, **kwargs):
-    response = client.request(method, path, **kwargs)
-    if response.is_success:
-        return response
-    try:
-        detail = response.json().get("detail")
-    except ValueError:
-        detail = response.text
-    if isinstance(detail, list):  # validation errors, each naming its field
-        detail = "invalid input:\n  " + "\n  ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:] or e['loc'])}: {e['msg']}" for e in detail)
-    code = EXIT_BAD_INPUT if response.status_code in (400, 404, 409, 422) else EXIT_UNREACHABLE
-    raise ApiError(f"{response.status_code}: {detail}", code)
-
-
-def read_json(path: Path):
-    """A JSON file the user named: a missing file or invalid JSON is bad input with its reason, not a traceback."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        print(f"molt: cannot read {path} as JSON: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
-def runs_create(client, args) -> int:
-    body = read_json(args.config)
-    if not (isinstance(body, dict) and "config" in body and "env" not in body):
-        body = {"config": body}
-    for key, value in [("name", args.name), ("tags", args.tag), ("max_restarts", args.max_restarts)]:
-        if value is not None:
-            body[key] = value
-    run = call(client, "POST", "/api/v1/runs", json=body).json()
-    print(f"run {run['id']} queued: {run['name']}", file=sys.stderr)
-    if not args.wait:
-        print(json.dumps(run, indent=1) if args.json else summary(run, args.url))
-        return 0
-    return wait_for(client, args, run["id"])
-
-
-def summary(run: dict, url: str) -> str:
-    config, model = run["config"], run["config"].get("model") or {}
-    rows = {"id": run["id"], "name": run["name"], "status": run["status"], "env": config.get("env"),
-            "model": model.get("path") or model.get("preset"), "steps": f"{run['step']}/{run['total_steps']}",
-            "url": f"{url.rstrip('/')}/runs/{run['id']}"}
-    return "\n".join(f"{key:<7} {value}" for key, value in rows.items())
-
-
-def wait_for(client, args, run_id: int) -> int:
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    last = None
-    while True:
-        chunk = 30.0 if deadline is None else max(0.0, min(30.0, deadline - time.monotonic()))
-        run = call(client, "GET", f"/api/v1/runs/{run_id}/wait", params={"timeout": chunk}).json()
-        if (run["status"], run["step"]) != last:
-            last = (run["status"], run["step"])
-            print(f"run {run_id}: {run['status']}, step {run['step']}/{run['total_steps']}", file=sys.stderr)
-        if run["status"] in EXIT_CODES:
-            print(json.dumps(run, indent=1) if args.json else summary(run, args.url))
-            if run["last_error"] and run["status"] != "completed":
-                print(f"run {run_id} {run['status']}: {run['last_error']}", file=sys.stderr)
-            return EXIT_CODES[run["status"]]
-        if deadline is not None and time.monotonic() >= deadline:
-            print(f"run {run_id}: still {run['status']} after {args.timeout:g}s", file=sys.stderr)
-            return EXIT_TIMEOUT
-
-
-def runs_list(client, args) -> int:
-    params = [("status", s) for s in args.status or []] + ([("tag", args.tag)] if args.tag else [])
-    runs = call(client, "GET", "/api/v1/runs", params=params).json()
-    if args.json:
-        print(json.dumps(runs, indent=1))
-        return 0
-    print(f"{'id':>5}  {'status':<10} {'step':>11}  {'reward':>7}  {'restarts':>8}  {'alerts':>6}  name")
-    for r in runs:
-        reward = "" if r["reward"] is None else f"{float(r['reward']):.3f}"
-        print(f"{r['id']:>5}  {r['status']:<10} {str(r['step']) + '/' + str(r['total_steps']):>11}  {reward:>7}  "
-              f"{r['restarts']:>8}  {r['alerts_open']:>6}  {r['name']}")
-    return 0
-
-
-def runs_metrics(client, args) -> int:
-    if args.csv:
-        sys.stdout.write(call(client, "GET", f"/api/v1/runs/{args.id}/metrics.csv").text)
-        return 0
-    params = {k: v for k, v in [("names", args.names), ("max_points", args.max_points)] if v is not None}
-    print(json.dumps(call(client, "GET", f"/api/v1/runs/{args.id}/metrics", params=params).json(), indent=1))
-    return 0
-
-
-def _print(response) -> int:
-    print(json.dumps(response.json(), indent=1))
-    return 0
-
-
-RUNS_COMMANDS = {
-    "create": runs_create,
-    "list": runs_list,
-    "get": lambda client, a: _print(call(client, "GET", f"/api/v1/runs/{a.id}")),
-    "stop": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/stop")),
-    "resume": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/resume")),
-    "wait": lambda client, a: wait_for(client, a, a.id),
-    "metrics": runs_metrics,
-}
 
 
 def cmd_train(args) -> int:

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemon.records import Records, RunNotFound
 
-from . import launch, pages, prometheus, rest
+from . import eval_pages, evals, launch, pages, prometheus, rest
 from .auth import Auth, load_or_create_token, same_origin
 from .live import OVERFLOW, Hub, daemon_message, dumps
 from .series import SeriesCache
@@ -95,6 +95,8 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
                                    swagger_favicon_url="/static/vendor/favicon.png")
 
     app.include_router(rest.router)
+    app.include_router(evals.router)
+    app.include_router(eval_pages.router)
     app.include_router(prometheus.router)
     app.include_router(launch.router)  # before pages: /runs/new is not /runs/{run_id}
     app.include_router(pages.router)

@@ -315,7 +315,7 @@ def found(call, *args, **kwargs):
 
 def sample_filters(
         step: Annotated[int | None, Query(ge=0, le=2**62)] = None,
-        kind: Literal["train", "eval"] | None = None,
+        kind: Literal["train", "eval", "evaluation"] | None = None,
         min_reward: Annotated[float | None, Query(allow_inf_nan=False)] = None,
         passed: Annotated[bool | None, Query(description="only passed (true) or failed (false) episodes")] = None,
         tool_errors: Annotated[bool | None, Query(description="only episodes with (true) or without (false) "

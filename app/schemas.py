@@ -169,7 +169,7 @@ class SampleOut(Out):
     id: int
     run_id: int
     step: int
-    kind: Literal["train", "eval"]
+    kind: Literal["train", "eval", "evaluation"]
     position: int
     group_id: int = Field(description="the prompt's training group (its cursor); -1 for eval")
     seed: int
@@ -196,7 +196,7 @@ class SamplesOut(Out):
 
 class SampleStep(Out):
     step: int
-    kind: Literal["train", "eval"]
+    kind: Literal["train", "eval", "evaluation"]
     count: int
 
 

@@ -1,4 +1,4 @@
-"""The records: SQLModel tables of runs, attempts, metrics, policy versions, checkpoints, alerts, events and samples."""
+"""The records: SQLModel tables of runs, attempts, metrics, versions, checkpoints, alerts, events, samples, evals."""
 import time
 
 from sqlalchemy import JSON, Boolean, Column, Index, Text, UniqueConstraint
@@ -192,3 +192,30 @@ class Sample(SQLModel, table=True):
     tokens: dict = Field(sa_column=Column(JSON, nullable=False))
     images: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))  # PNG data: URLs
     time: float = Field(default_factory=now)
+
+
+EVAL_STATUSES = ("queued", "running", "restarting", "stopping", "completed", "failed", "stopped")
+
+
+class Evaluation(SQLModel, table=True):
+    """An evaluation job: a policy (a run's checkpoint, or a model section) on an env, `episodes` episodes in groups
+    of `k` per prompt. `results` holds each finished episode by its position ([reward, success, env metrics]): a
+    restarted worker runs only the missing ones. A run's evaluation also records its episodes as samples (kind
+    "evaluation", step = this id)."""
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: int | None = Field(default=None, foreign_key="run.id", index=True)  # the source run, if any
+    checkpoint: str | None = None          # as asked: best, final, latest or a step number
+    step: int | None = None                # the source run's step the policy is from, where known
+    policy_path: str | None = None         # the policy directory loaded; None = model.preset built from the seed
+    config: dict = Field(sa_column=Column(JSON, nullable=False))  # model, env, env_args, episodes, k, temperature, seed
+    status: str = Field(default="queued", index=True)  # see EVAL_STATUSES
+    results: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    metrics: dict | None = Field(default=None, sa_column=Column(JSON))
+    restarts: int = 0
+    max_restarts: int = 3
+    pid: int | None = None
+    gpus: str | None = None
+    last_error: str | None = Field(default=None, sa_column=Column(Text))
+    created_at: float = Field(default_factory=now)
+    started_at: float | None = None
+    finished_at: float | None = None

@@ -14,7 +14,7 @@ from molt_engine.config import RunConfig
 
 from .db import DAEMON_HANG_S, add_daemon_event, add_event, connect, data_home, lock_holder, run_dir, set_run
 from .models import (ACTIVE, OUTCOMES, STATUSES, TERMINAL, Alert, Attempt, Checkpoint, DaemonEvent, Event, Metric,
-                     MetricBucket, PolicyVersion, Run, Sample, now)
+                     Evaluation, MetricBucket, PolicyVersion, Run, Sample, now)
 
 LIVE_METRICS = ("reward_mean", "samples_per_s", "staleness_mean", "staleness_max")
 RUN_SORTS = ("created", "status", "env", "model", "steps", "duration", "best_eval")
@@ -146,7 +146,7 @@ class Records:
         has ended: a queued or active one may have a worker writing at any moment (Conflict: stop it first)."""
         with Session(self.engine) as s:
             run = self._get(s, run_id)
-            for model in (Metric, MetricBucket, PolicyVersion, Checkpoint, Alert, Event, Sample, Attempt):
+            for model in (Metric, MetricBucket, PolicyVersion, Checkpoint, Alert, Event, Sample, Attempt, Evaluation):
                 s.execute(delete(model).where(model.run_id == run_id))  # metric first: its triggers fill buckets
             # the status checked in the same statement: the daemon cannot start it between a check and the delete
             if s.execute(delete(Run).where(Run.id == run_id, Run.status.in_(TERMINAL))).rowcount == 0:

@@ -15,6 +15,7 @@ from typing import IO
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
+from .evals import EvalWorkers
 from .db import (add_daemon_event, add_event, connect, data_home, finish_run, hold_lock, lock_holder, run_dir,
                  set_run)
 from .models import ACTIVE, OUTCOMES, Alert, Attempt, Run, now
@@ -62,6 +63,7 @@ class Supervisor:
         self.concurrency, self.heartbeat_timeout, self.poll = concurrency, heartbeat_timeout, poll
         self.backoff, self.backoff_max, self.stop_grace = backoff, backoff_max, stop_grace
         self.workers: dict[int, Worker] = {}
+        self.evals = EvalWorkers(self)  # evaluation jobs share the slots and GPUs
         self.engine = None
 
     def run(self, stop: threading.Event | None = None):
@@ -115,6 +117,7 @@ class Supervisor:
         self.watch()
         self.reconcile()
         self.start_due()
+        self.evals.tick()
 
     # ---- watching -------------------------------------------------------------------------------------------------
 
@@ -297,7 +300,7 @@ class Supervisor:
                 if self.gpus_needed(run) <= len(self.free_gpus()):
                     self.start(s, run)
             active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE)))
-            free = self.concurrency - active
+            free = self.concurrency - active - len(self.evals.workers)
             if free > 0:
                 for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
                     needed = self.gpus_needed(run)
@@ -318,7 +321,7 @@ class Supervisor:
         return ((run.config.get("dist") or {}).get("nproc", 1) if self.gpus else 0) if asked is None else asked
 
     def free_gpus(self) -> list[str]:
-        held = {g for w in self.workers.values() for g in w.gpus}
+        held = {g for w in self.workers.values() for g in w.gpus} | self.evals.gpus()
         return [g for g in self.gpus if g not in held]
 
     def start(self, s: Session, run: Run):

@@ -1,0 +1,178 @@
+"""Evaluations as jobs: pass@k against a hand computation, the REST API's 422s, and (slow) a trained run's
+checkpoints evaluated by the daemon through `molt eval`, with a worker SIGKILLed mid-evaluation."""
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from app_support import ROOT, child_env, molt, serve
+from conftest import wait_until
+from daemon.db import run_dir, set_run
+from daemon.evals import pass_at_k, scores
+from daemon.records import Records
+from daemon.sink import DbSink
+
+
+def test_pass_at_k_is_the_unbiased_estimator_on_a_hand_computed_table():
+    # (n samples, c passed, k) -> 1 - C(n-c, k) / C(n, k), worked out by hand
+    table = [(4, 0, 1, 0.0), (4, 1, 1, 0.25), (4, 2, 1, 0.5), (4, 4, 1, 1.0),
+             (4, 1, 2, 1 - 3 / 6), (4, 2, 2, 1 - 1 / 6), (4, 3, 2, 1.0), (4, 1, 4, 1.0), (4, 0, 4, 0.0),
+             (5, 2, 3, 1 - 1 / 10), (10, 3, 5, 1 - 21 / 252), (8, 1, 4, 1 - 35 / 70)]
+    for n, c, k, expected in table:
+        assert pass_at_k(n, c, k) == pytest.approx(expected), (n, c, k)
+    # per prompt, then averaged: prompt A passes 1 of 4 (reward 1 each pass), prompt B 3 of 4, prompt C none
+    prompts = [[(1.0, True), (0.0, False), (0.0, False), (0.0, False)],
+               [(1.0, True), (1.0, True), (0.5, False), (1.0, True)],
+               [(0.0, False)] * 4]
+    got = scores(prompts, 2)
+    assert got["pass@1"] == pytest.approx((0.25 + 0.75 + 0.0) / 3)
+    assert got["pass@2"] == pytest.approx(((1 - 3 / 6) + 1.0 + 0.0) / 3)
+    assert got["avg@2"] == pytest.approx((0.25 + 3.5 / 4 + 0.0) / 3)
+    assert got["mean_reward"] == pytest.approx(4.5 / 12)
+
+
+def fake_checkpoints(home: Path, run_id: int, steps: list[int]):
+    """Complete checkpoint directories as the engine leaves them (a state.pt marks one whole), for the 422 checks."""
+    for step in steps:
+        path = run_dir(home, run_id) / "checkpoints" / f"step-{step:06d}"
+        (path / "policy").mkdir(parents=True)
+        (path / "state.pt").write_bytes(b"")
+
+
+def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
+    with serve(tmp_path) as studio:
+        client = studio.client
+        run = studio.create({"env": "max_digit", "loop": {"steps": 1}}, name="never-started")
+        client.post(f"/api/v1/runs/{run['id']}/stop")
+        other = studio.create({"env": "max_digit", "loop": {"steps": 1}}, name="with-checkpoints")
+        client.post(f"/api/v1/runs/{other['id']}/stop")
+        fake_checkpoints(tmp_path, other["id"], [5, 10])
+
+        def invalid(body: dict, field: str, words: str):
+            response = client.post("/api/v1/evals", json=body)
+            assert response.status_code == 422, response.text
+            detail = response.json()["detail"]
+            assert detail[0]["loc"][:2] == ["body", field], detail
+            assert words in detail[0]["msg"], detail
+
+        invalid({"run_id": other["id"], "checkpoint": 7}, "checkpoint", "no checkpoint at step 7; it has 5, 10")
+        invalid({"run_id": run["id"], "checkpoint": "latest"}, "checkpoint", "has no checkpoints")
+        invalid({"run_id": run["id"], "checkpoint": "best"}, "checkpoint", "no best policy")
+        invalid({"run_id": run["id"], "checkpoint": "newest"}, "checkpoint", 'must be "best"')
+        invalid({"run_id": 999}, "run_id", "no run 999")
+        invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 4, "k": 8}, "k", "more than episodes")
+        invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 6, "k": 4}, "episodes", "multiple of k")
+        invalid({"run_id": other["id"], "checkpoint": 5, "env": "no_such_env"}, "env", "unknown env 'no_such_env'")
+        invalid({"model": {"preset": "huge"}, "env": "max_digit"}, "model", "unknown preset")
+        invalid({"model": {"preset": "tiny-dense"}}, "env", "give env")
+        invalid({"run_id": other["id"], "model": {"preset": "tiny-dense"}}, "run_id", "not both")
+        assert client.post("/api/v1/evals", json={"run_id": other["id"], "k": "4"}).status_code == 422  # strict
+        assert client.get("/api/v1/evals/12345").status_code == 404
+        assert client.get("/api/v1/evals", params={"run_id": other["id"]}).json() == []
+        assert client.get("/api/v1/evals", params={"run_idd": 1}).status_code == 422
+
+        # a valid one is queued (201) and listed under its run; stopped while queued, it is stopped at once
+        created = client.post("/api/v1/evals", json={"run_id": other["id"], "checkpoint": "latest", "episodes": 8,
+                                                     "k": 2})
+        assert created.status_code == 201, created.text
+        evaluation = created.json()
+        assert evaluation["step"] == 10 and evaluation["config"]["env"] == "max_digit"
+        assert [e["id"] for e in client.get("/api/v1/evals", params={"run_id": other["id"]}).json()] == \
+            [evaluation["id"]]
+        stopped = client.post(f"/api/v1/evals/{evaluation['id']}/stop")
+        # the daemon may have started it meanwhile: then it is stopping until its worker is gone
+        assert stopped.status_code == 202 and stopped.json()["status"] in ("stopped", "stopping")
+        final = client.get(f"/api/v1/evals/{evaluation['id']}/wait", params={"timeout": 60}).json()
+        assert final["status"] == "stopped"
+        assert client.post(f"/api/v1/evals/{evaluation['id']}/stop").status_code == 409
+
+        # the Evaluations page lists it, and its form (the run page's Evaluate) names a bad field on the form
+        page = client.get("/evals", params={"run_id": other["id"]})
+        assert page.status_code == 200 and f'id="eval-{evaluation["id"]}"' in page.text and "stopped" in page.text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+        form = {"run_id": other["id"], "checkpoint": "7", "episodes": 8, "k": 2, "temperature": 0, "csrf_token": csrf}
+        refused = client.post("/evals", data=form, headers={"Origin": studio.base})
+        assert refused.status_code == 422 and "checkpoint: run" in refused.text and "at step 7" in refused.text
+        queued = client.post("/evals", data={**form, "checkpoint": "5"}, headers={"Origin": studio.base})
+        assert queued.status_code == 303 and queued.headers["location"] == f"/evals?run_id={other['id']}"
+        listed = client.get("/api/v1/evals", params={"run_id": other["id"]}).json()
+        assert [e["step"] for e in listed] == [5, 10]
+        client.post(f"/api/v1/evals/{listed[0]['id']}/stop")  # its checkpoint is an empty stand-in: never run it
+        table = client.get("/evals.csv", params={"run_id": other["id"]}).text.splitlines()
+        assert table[0].startswith("id,run_id,checkpoint,step,env,episodes,k,temperature,status") and len(table) == 3
+        assert f'href="/evals?run_id={other["id"]}"' in client.get(f"/runs/{other['id']}").text  # Evaluate…
+
+
+TRAIN = {"env": "max_digit", "seed": 0, "warm_start": {"steps": 150},
+         "loop": {"steps": 4, "groups_per_step": 8, "group_size": 4, "eval_every": 2, "eval_episodes": 32},
+         "checkpoint": {"every": 1, "keep": 10}}
+
+
+def trained_with_checkpoints(home: Path) -> int:
+    """A max_digit run trained in this process into the data directory (checkpoints, best/, final/), completed."""
+    from molt_engine import train
+    records = Records(home)
+    run = records.create_run(TRAIN, name="trained")
+    sink = DbSink(records.engine, run["id"], 0)
+    try:
+        summary = train(TRAIN, sink, out_dir=run_dir(records.home, run["id"]))
+    finally:
+        sink.close()
+    with records.engine.begin() as conn:
+        set_run(conn, run["id"], status="completed", summary=summary)
+    return run["id"]
+
+
+def molt_eval(studio, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(molt("eval", "--url", studio.base, "--token", studio.token, *args), cwd=ROOT,
+                          env=child_env(studio.home), capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_trained_runs_best_scores_high_its_initial_policy_low_and_a_killed_worker_records_each_episode_once(
+        tmp_path):
+    run_id = trained_with_checkpoints(tmp_path)
+    with serve(tmp_path) as studio:
+        # the best checkpoint, greedy, through the CLI with a threshold it meets: exit 0 and the metrics as JSON
+        best = molt_eval(studio, "--run", str(run_id), "--checkpoint", "best", "--env", "max_digit",
+                         "--episodes", "32", "--k", "1", "--wait", "--min", "pass@1=0.9", "--min", "mean_reward=0.9")
+        assert best.returncode == 0, best.stdout + best.stderr
+        metrics = json.loads(best.stdout)
+        print("best:", metrics)
+        assert metrics["pass@1"] >= 0.9 and metrics["mean_reward"] >= 0.9 and metrics["episodes"] == 32
+        # the run's step-0 policy (the preset from the run's seed, before any training) is far lower: exit 6
+        initial = molt_eval(studio, "--model", json.dumps({"preset": "tiny-dense"}), "--env", "max_digit",
+                            "--seed", "0", "--episodes", "16", "--k", "4", "--temperature", "1.0",
+                            "--min", "pass@1=0.9")
+        assert initial.returncode == 6, initial.stdout + initial.stderr
+        low = json.loads(initial.stdout)
+        print("initial:", low)
+        assert low["pass@1"] <= metrics["pass@1"] - 0.5 and "below threshold: pass@1" in initial.stderr
+        assert {"pass@4", "avg@4", "mean_reward"} <= set(low)
+
+        # a worker SIGKILLed mid-evaluation: the daemon restarts it, and every episode is recorded exactly once
+        client = studio.client
+        evaluation = client.post("/api/v1/evals", json={"run_id": run_id, "checkpoint": 2, "episodes": 256, "k": 4,
+                                                        "temperature": 1.0}).json()
+        eval_id = evaluation["id"]
+        running = wait_until(lambda: (e := client.get(f"/api/v1/evals/{eval_id}").json())["done"] >= 16 and e,
+                             300, 0.05, message="16 episodes recorded")
+        assert running["done"] < 256, "finished before the kill: make it longer"
+        os.killpg(running["pid"], signal.SIGKILL)
+        final = wait_until(lambda: (e := client.get(f"/api/v1/evals/{eval_id}/wait", params={"timeout": 30}).json())
+                           ["status"] in ("completed", "failed", "stopped") and e, 600, message="the evaluation's end")
+        assert final["status"] == "completed", final
+        assert final["restarts"] == 1 and "SIGKILL" in final["last_error"]
+        assert final["metrics"]["episodes"] == 256 and 0 <= final["metrics"]["pass@4"] <= 1
+        assert final["metrics"]["pass@1"] <= final["metrics"]["pass@4"]
+        # its episodes are the run's samples of kind "evaluation" at step = the evaluation's id (the samples view)
+        page = client.get(f"/api/v1/runs/{run_id}/samples", params={"kind": "evaluation", "step": eval_id,
+                                                                     "limit": 500}).json()
+        assert page["total"] == 256
+        assert sorted(s["position"] for s in page["samples"]) == list(range(256))
+        assert all(s["kind"] == "evaluation" and s["step"] == eval_id for s in page["samples"])
+        assert [e["id"] for e in client.get("/api/v1/evals", params={"run_id": run_id}).json()][0] == eval_id
