@@ -79,19 +79,20 @@ def server_options(p):
 
 def cmd_runs(args) -> int:
     import httpx
+    who = "molt eval" if args.runs_command == "eval" else "molt runs"  # error messages name the command typed
     token = args.token or os.environ.get("MOLT_TOKEN") or local_token()
     if not token:
-        print("molt runs: no token: pass --token, set MOLT_TOKEN, or run where the data directory is",
+        print(f"{who}: no token: pass --token, set MOLT_TOKEN, or run where the data directory is",
               file=sys.stderr)
         return EXIT_UNREACHABLE
     client = httpx.Client(base_url=args.url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=60)
     try:
         return RUNS_COMMANDS[args.runs_command](client, args)
     except httpx.HTTPError as e:
-        print(f"molt runs: cannot reach {args.url}: {e}", file=sys.stderr)
+        print(f"{who}: cannot reach {args.url}: {e}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except ApiError as e:
-        print(f"molt runs: {e}", file=sys.stderr)
+        print(f"{who}: {e}", file=sys.stderr)
         return e.code
 
 
@@ -209,7 +210,7 @@ RUNS_COMMANDS = {
     "resume": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/resume")),
     "wait": lambda client, a: wait_for(client, a, a.id),
     "metrics": runs_metrics,
-    "eval": lambda client, a: evaluate(client, a),
+    "eval": evaluate,
 }
 
 
