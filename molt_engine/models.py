@@ -5,6 +5,7 @@ import math
 import os
 import string
 
+import peft
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
@@ -150,6 +151,14 @@ def load_policy(model_cfg, seed: int):
             model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.name_or_path = f"preset {model_cfg.preset} (seed {seed})"  # what a LoRA checkpoint names as its base
+    if model_cfg.lora:  # only the adapters train: all else, the vision tower included, is frozen unless targeted
+        lora, text = model_cfg.lora, model.get_decoder()
+        within = next(name for name, m in model.named_modules() if m is text) + "."
+        linear = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name.startswith(within)]
+        torch.manual_seed(seed)  # the adapters' initialisation
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                           target_modules=lora.target_modules or linear, bias=lora.bias))
     tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -157,6 +166,22 @@ def load_policy(model_cfg, seed: int):
         router.replay = None
         router.register_forward_hook(_route)
     return model.to(device).train(model_cfg.dropout), processor
+
+
+def merged(weights: dict, lora) -> dict:
+    """A LoRA policy's weights (peft's names) as its base model's own, each adapted layer's weight plus alpha/r x B A:
+    what the sampler decodes with and plain transformers loads. Without LoRA, `weights` themselves."""
+    if lora is None:
+        return weights
+    plain = {}
+    for key, value in weights.items():
+        if key.endswith(".base_layer.weight"):
+            layer = key.removesuffix(".base_layer.weight")
+            value = value + lora.alpha / lora.r * (weights[f"{layer}.lora_B.default.weight"]
+                                                   @ weights[f"{layer}.lora_A.default.weight"])
+        if ".lora_" not in key:
+            plain[key.removeprefix("base_model.model.").replace(".base_layer.", ".")] = value
+    return plain
 
 
 # ---- MoE routing: what each router chose, and replaying a recorded choice ---------------------------------------------

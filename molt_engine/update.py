@@ -1,5 +1,6 @@
 """One trainer step on a batch of groups (advantages, minibatched PPO/GSPO optimizer steps against the proximal policy,
 the breaker's verdict) and the batch's episode metrics."""
+import contextlib
 import math
 import resource
 from pathlib import Path
@@ -92,9 +93,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
             with _autocast(cfg, device):
                 logp, aux, moe_metrics = _logprobs(model, batch, cfg, stats=True)
                 ref_logp = None
-                if reference is not None:
-                    with torch.no_grad():
-                        ref_logp = token_logprobs(reference, batch, cfg.loop.temperature)
+                if algo.kl_coef > 0:  # LoRA: no reference copy; the base is the policy with its adapters disabled
+                    with torch.no_grad(), (model.disable_adapter() if reference is None else contextlib.nullcontext()):
+                        ref_logp = token_logprobs(model if reference is None else reference, batch, cfg.loop.temperature)
             if part.prox[k] is None:  # the first minibatch of the first epoch: the model is still the proximal policy
                 part.prox[k] = logp.detach()
             mask = batch["action_mask"]
