@@ -409,14 +409,12 @@ class Training:
     async def save_checkpoint(self, version: int, weights: dict):
         """Everything needed to continue exactly: weights, optimizer, RNGs, prompt cursor, untrained episodes.
         More than one process: rank 0 writes the full weights and every rank's own state."""
-        state = {
-            "step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
-            "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
-            "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
-            "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
-            **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        }
+        state = {"step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
+                 "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
+                 "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
+                 "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
+                 **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
+                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
         t0 = time.perf_counter()
         state = await asyncio.to_thread(dist.gather_ranks, state)
         state["optimizer"] = await asyncio.to_thread(dist.optimizer_state, self.model, self.optimizer)
