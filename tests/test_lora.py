@@ -91,8 +91,7 @@ def test_checkpoint_is_the_adapter_and_a_tenth_of_a_full_one(lora_run, tmp_path)
     assert full >= 10 * checkpoint.size_bytes(lora_ckpt), (full, checkpoint.size_bytes(lora_ckpt))
 
 
-def test_final_loads_with_peft_and_with_plain_transformers(lora_run):
-    out = lora_run[0]
+def final_loads_with_peft_and_with_plain_transformers(out):
     assert json.loads((out / "final" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == "preset tiny-dense (seed 0)"
     base, tokenizer = load_policy(ModelConfig(preset="tiny-dense"), seed=0)
@@ -104,6 +103,22 @@ def test_final_loads_with_peft_and_with_plain_transformers(lora_run):
     assert (a - b).abs().max() <= 1e-5 and (a - base_logits).abs().max() > 1e-4  # the adapter is in both
     greedy = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     assert torch.equal(with_peft.generate(**prompt, **greedy), plain.generate(**prompt, **greedy))
+
+
+def test_final_loads_with_peft_and_with_plain_transformers(lora_run):
+    final_loads_with_peft_and_with_plain_transformers(lora_run[0])
+
+
+@pytest.mark.slow
+def test_two_ranks_train_lora(tmp_path):
+    """DDP over 2 ranks (gloo), with the KL term on: the run completes and its final/ is a working adapter."""
+    (tmp_path / "run.json").write_text(json.dumps({**LORA, "algo": {"lr": 3e-3, "kl_coef": 0.1}, "dist": {"nproc": 2}}))
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "train", "--nproc", "2", "--config",
+                           str(tmp_path / "run.json"), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout[proc.stdout.index("{"):])["version"] == 4
+    final_loads_with_peft_and_with_plain_transformers(tmp_path / "out")
 
 
 def test_save_merged_off_keeps_only_the_adapter(tmp_path):
