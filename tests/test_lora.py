@@ -1,6 +1,7 @@
 """LoRA (model.lora): only the adapters train, the sampler decodes with the merged weights (invariants unchanged),
 checkpoints hold the adapter, final/ loads with peft and with plain transformers, resume is exact and checks the base."""
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import molt_engine.update as update_mod
 from molt_engine import RunConfig, checkpoint, train
 from molt_engine.config import ModelConfig, ValidationError, config_errors
 from molt_engine.models import load_policy
+from app_support import hook, logged_in, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from test_invariants import SMALL, Echo, capture, merging_model_dir, registered, trained_as_sampled  # noqa: F401
 
@@ -165,3 +167,20 @@ def test_moe_and_vlm_train_adapters_only(tmp_path):
     base, _ = load_policy(ModelConfig(preset="tiny-vlm"), seed=0)
     saved = type(base).from_pretrained(tmp_path / "final").state_dict()
     assert all(torch.equal(saved[k], v) for k, v in base.state_dict().items() if "vision_tower" in k)
+
+
+def test_the_launch_form_has_a_lora_section_and_the_runs_list_shows_the_rank(web):
+    browser, csrf = logged_in(web)
+    form = {"env": "max_digit", "preset": "tiny-dense", "name": "lora-form", "csrf_token": csrf, "lora_r": "16",
+            "lora_alpha": "32", "lora_target_modules": "q_proj, v_proj"}
+    response = browser.post("/runs/new", data={**form, "lora_r": "sixteen"})
+    assert response.status_code == 422
+    assert dict(re.findall(r'data-field="(\w+)">([^<]*)<', response.text))["lora"] == "LoRA r: must be a whole number"
+    assert browser.post("/runs/new", data=form).status_code == 303
+    run = web["records"].list_runs()[0]
+    assert run["name"] == "lora-form"
+    lora = run["config"]["model"]["lora"]
+    assert (lora["r"], lora["alpha"], lora["target_modules"]) == (16, 32.0, ["q_proj", "v_proj"])
+    assert re.search(r'<span class="lora">LoRA r=16</span>', browser.get("/").text)
+    clone = browser.get(f"/runs/new?clone={run['id']}").text
+    assert 'name="lora_r" value="16"' in clone and 'value="q_proj, v_proj"' in clone
