@@ -15,9 +15,9 @@ from .models import merged
 def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None,
          drills=None, lora=None) -> Path:
     """Write checkpoint `step-NNNNNN` under root and point `latest` at it (the policy's weights are `weights` if given,
-    else `model`'s; with `lora`, the run's model.lora, the adapter of `weights` in peft's format). A crash at any moment leaves
-    either the previous complete checkpoint or this one, never a half-written directory under a checkpoint's name.
-    `drills`: the run's, for drills.full_disk_at."""
+    else `model`'s; with `lora`, the run's model.lora, the adapter of `weights` in peft's format). A crash at any
+    moment leaves either the previous complete checkpoint or this one, never a half-written directory under a
+    checkpoint's name. `drills`: the run's, for drills.full_disk_at."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"

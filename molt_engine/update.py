@@ -209,12 +209,12 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
     rewards = torch.tensor([e.reward for e in episodes])
     staleness = torch.tensor([float(version - v) for e in rows for v, a in zip(e.versions, e.is_action) if a])
     return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
-        "pass_rate": sum(e.info["success"] for e in episodes) / n,
-        "entropy": sum(e.info["entropy"] for e in rows) / max(action_tokens, 1), "response_length": action_tokens / n,
-        "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
-        "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
-        "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
-        "turns_mean": sum(e.info["turns"] for e in episodes) / n, **env_metrics(episodes)}
+            "pass_rate": sum(e.info["success"] for e in episodes) / n, "response_length": action_tokens / n,
+            "entropy": sum(e.info["entropy"] for e in rows) / max(action_tokens, 1),
+            "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
+            "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
+            "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
+            "turns_mean": sum(e.info["turns"] for e in episodes) / n, **env_metrics(episodes)}
 
 
 def eval_metrics(episodes: list[Episode]) -> dict:
