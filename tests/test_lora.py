@@ -112,9 +112,11 @@ def test_final_loads_with_peft_and_with_plain_transformers(lora_run):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_lora(tmp_path):
-    """DDP over 2 ranks (gloo), with the KL term on: the run completes and its final/ is a working adapter."""
-    (tmp_path / "run.json").write_text(json.dumps({**LORA, "algo": {"lr": 3e-3, "kl_coef": 0.1}, "dist": {"nproc": 2}}))
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_train_lora(tmp_path, strategy):
+    """2 ranks (gloo), with the KL term on: the run completes and its final/ is a working adapter."""
+    (tmp_path / "run.json").write_text(json.dumps({**LORA, "algo": {"lr": 3e-3, "kl_coef": 0.1},
+                                                   "dist": {"nproc": 2, "strategy": strategy}}))
     proc = subprocess.run([sys.executable, "-m", "app.cli", "train", "--nproc", "2", "--config",
                            str(tmp_path / "run.json"), "--out", str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=900)
