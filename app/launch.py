@@ -43,10 +43,11 @@ RECIPES = {
                                "warm_start": {"steps": 200, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1}},
 }
 DATASET_FIELDS = ("path", "eval_path", "reward")  # env_args of the dataset env that the launch form asks for
+LORA_FIELDS = {"r": int, "alpha": float, "target_modules": str}  # model.lora; no rank: all weights train
 # What the launch form posts, all as the text typed: the handler converts it, so a bad number is an inline error
 LaunchForm = create_model("LaunchForm", **{field: (str, "") for field in [
     "env", "preset", "path", "name", "tags", "max_restarts", "advanced", CSRF_FIELD, *(f[0] for f in FORM_FIELDS),
-    *(f"dataset_{f}" for f in DATASET_FIELDS)]})
+    *(f"dataset_{f}" for f in DATASET_FIELDS), *(f"lora_{f}" for f in LORA_FIELDS)]})
 
 
 def form_values(config: dict) -> tuple[dict, dict]:
@@ -61,6 +62,12 @@ def form_values(config: dict) -> tuple[dict, dict]:
             rest_config.pop("env_args", None)
     model = rest_config.pop("model", {}) or {}
     values["preset"], values["path"] = model.get("preset") or "", model.get("path") or ""
+    lora = model.get("lora") or {}
+    for field in LORA_FIELDS:  # a list of module names shows comma-separated, a regex as it is
+        value = lora.get(field, "")
+        values[f"lora_{field}"] = ", ".join(value) if isinstance(value, list) else str(value)
+    if lora and not values["lora_r"]:
+        values["lora_r"] = "8"
     for name, path, _, _ in FORM_FIELDS:
         node = rest_config
         for key in path[:-1]:
@@ -117,7 +124,7 @@ def launch_context(values: dict, advanced: str, errors: dict | None = None, name
             node = node.get(key) if isinstance(node, dict) else None
         placeholders[field] = "" if node is None else node
     errors = errors or {}
-    order = ["name", "tags", "env", "max_restarts", "preset", "path", *(f[0] for f in FORM_FIELDS), "advanced"]
+    order = ["name", "tags", "env", "max_restarts", "preset", "path", "lora", *(f[0] for f in FORM_FIELDS), "advanced"]
     return {"values": values, "advanced": advanced, "errors": errors, "envs": sorted(ENVS),
             "first_error": next((field for field in order if field in errors), None),
             "descriptions": {name: ((cls.__doc__ or "").strip().splitlines() or [""])[0] for name, cls in ENVS.items()},
@@ -153,7 +160,7 @@ def launch_page(request: Request, clone: int | None = None, recipe: str | None =
 def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     check_csrf(request, getattr(form, CSRF_FIELD))
     values = {k: getattr(form, k).strip() for k in ["env", "preset", "path"] + [f[0] for f in FORM_FIELDS]
-              + [f"dataset_{f}" for f in DATASET_FIELDS]}
+              + [f"dataset_{f}" for f in DATASET_FIELDS] + [f"lora_{f}" for f in LORA_FIELDS]}
     advanced, name, tags, max_restarts = form.advanced, form.name.strip(), form.tags, form.max_restarts.strip()
     errors: dict[str, list[str]] = {}
     config: dict = {"env": values["env"]}
@@ -163,6 +170,17 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
         config["model"] = {"preset": None, "path": values["path"]}
     elif values["preset"]:
         config["model"] = {"preset": values["preset"]}
+    if values["lora_r"]:  # LoRA: a rank turns it on; alpha and the target modules keep their defaults when empty
+        lora = config.setdefault("model", {}).setdefault("lora", {})
+        for field, kind in LORA_FIELDS.items():
+            if raw := values[f"lora_{field}"]:
+                try:
+                    lora[field] = kind(raw)
+                except ValueError:
+                    errors.setdefault("lora", []).append(f"LoRA {field}: must be a "
+                                                         + ("whole number" if kind is int else "number"))
+        if "," in lora.get("target_modules", ""):  # names, comma-separated (one name or a regex: as typed)
+            lora["target_modules"] = [m.strip() for m in lora["target_modules"].split(",") if m.strip()]
     for field, path, kind, _ in FORM_FIELDS:
         raw = values[field]
         if raw == "":
@@ -232,7 +250,7 @@ def form_field(loc: tuple, extra: dict) -> str:
     if path[:1] == ("env",) or path[:1] == ("env_args",):
         return "env"
     if path[:1] == ("model",):
-        return "path" if path[1:2] == ("path",) else "preset"
+        return {"path": "path", "lora": "lora"}.get(path[1] if len(path) > 1 else "", "preset")
     for field, field_path, _, _ in FORM_FIELDS:
         if path[:len(field_path)] == field_path:
             return field

@@ -79,9 +79,9 @@ class Records:
                   q: str | None = None, archived: bool | None = None, sort: str = "created",
                   descending: bool = True, offset: int | None = None, config: bool = True) -> list[dict]:
         """Newest first (or by `sort`, one of RUN_SORTS); with `before`, only the runs older than that run id (the
-        next page). `q` matches the name, notes or a tag (case-insensitive for ASCII); `archived` None = both. Each
-        run has its `env` and `model` (path, else preset); `config=False` leaves out the rest of the config (the
-        runs page: decoding 100 configs was most of its time)."""
+        next page). `q` matches the name, notes or a tag (case-insensitive for ASCII); `archived` None = both.
+        Each run has its `env`, `model` (path, else preset) and `lora_r` (None without LoRA); `config=False` leaves
+        out the rest of the config (the runs page: decoding 100 configs was most of its time)."""
         best_eval = (select(func.max(Metric.value)).where(Metric.run_id == Run.id, Metric.name == "eval_reward")
                      .scalar_subquery())  # NaN is stored as NULL: max() skips it
         keys = {"created": Run.id, "status": Run.status, "env": func.json_extract(Run.config, "$.env"),
@@ -93,7 +93,8 @@ class Records:
             raise ValueError(f"sort must be one of {', '.join(RUN_SORTS)}, not {sort!r}")
         order = keys[sort].desc() if descending else keys[sort].asc()
         columns = [c for c in Run.__table__.columns if config or c.name != "config"]  # plain rows: no ORM objects
-        q_ = (select(*columns, keys["env"].label("env"), keys["model"].label("model"))
+        q_ = (select(*columns, keys["env"].label("env"), keys["model"].label("model"),
+                     func.json_extract(Run.config, "$.model.lora.r").label("lora_r"))
               .order_by(order, Run.id.desc()).limit(limit).offset(offset))
         if before is not None:
             q_ = q_.where(Run.id < before)

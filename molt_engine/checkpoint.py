@@ -4,22 +4,29 @@ import os
 import shutil
 from pathlib import Path
 
+import peft
 import torch
+from safetensors.torch import load_file, save_file
 
 from . import dist
+from .models import merged
 
 
 def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None,
-         drills=None) -> Path:
+         drills=None, lora=None) -> Path:
     """Write checkpoint `step-NNNNNN` under root and point `latest` at it (the policy's weights are `weights` if given,
-    else `model`'s). A crash at any moment leaves either the previous complete checkpoint or this one, never a
-    half-written directory under a checkpoint's name. `drills`: the run's, for drills.full_disk_at."""
+    else `model`'s; with `lora`, the run's model.lora, the adapter of `weights` in peft's format). A crash at any
+    moment leaves either the previous complete checkpoint or this one, never a half-written directory under a
+    checkpoint's name. `drills`: the run's, for drills.full_disk_at."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     # A copy of the dict: save_pretrained empties the one it is given, and `weights` is still the sampler's.
-    model.save_pretrained(tmp / "policy", state_dict=dict(weights) if weights is not None else None)
+    if lora:
+        _save_adapter(tmp / "policy", weights, lora, model.name_or_path)
+    else:
+        model.save_pretrained(tmp / "policy", state_dict=dict(weights) if weights is not None else None)
     processor.save_pretrained(tmp / "policy")  # a tokenizer, or a VLM's processor (tokenizer + image processor)
     marker = root.parent / "drills" / f"full-disk-{step}"  # once per step, as the crash drill
     if drills is not None and step in drills.full_disk_at and not marker.exists():
@@ -36,12 +43,17 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None, w
     return final
 
 
-def save_policy(path: Path, model, processor, weights: dict):
+def save_policy(path: Path, model, processor, weights: dict, lora=None):
     """Write `weights` (a state dict of `model`'s architecture) and the processor to `path`, loadable by plain
-    transformers; the previous contents are replaced whole."""
+    transformers; the previous contents are replaced whole. With `lora` (model.lora), `weights` are the LoRA policy's:
+    its adapter goes to path/adapter in peft's format (PeftModel.from_pretrained(base, path/adapter) loads it), and the
+    merged weights to path unless lora.save_merged is off."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=dict(weights))  # a copy: save_pretrained empties the dict it is given
+    if lora:
+        _save_adapter(tmp / "adapter", weights, lora, model.name_or_path)
+    if not lora or lora.save_merged:  # merged is a new dict: save_pretrained empties the one it is given
+        model.save_pretrained(tmp, state_dict=merged(weights, lora))
     processor.save_pretrained(tmp)
     _fsync_tree(tmp)
     shutil.rmtree(path, ignore_errors=True)
@@ -58,8 +70,7 @@ def latest(root: Path) -> Path | None:
     pointer = root / "latest"
     if pointer.exists() and (root / pointer.read_text().strip() / "state.pt").exists():
         return root / pointer.read_text().strip()
-    done = complete(root)
-    return done[-1] if done else None
+    return done[-1] if (done := complete(root)) else None
 
 
 def complete(root: Path) -> list[Path]:
@@ -73,12 +84,29 @@ def step_of(path: Path) -> int:
 
 def load(path: Path, model, reference=None) -> dict:
     """Load weights into `model` (and `reference`) in place; return the training state."""
-    # The policy's own class: a causal LM or a vision-language model.
-    dist.load_weights(model, type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
+    if (path / "policy" / "adapter_config.json").exists():  # LoRA: onto this run's base, the one it was trained on
+        base = peft.LoraConfig.from_pretrained(path / "policy").base_model_name_or_path
+        if base != model.name_or_path:
+            raise RuntimeError(f"{path.name}: a LoRA adapter of {base!r}; this run's base model is {model.name_or_path!r}")
+        adapter = load_file(path / "policy" / "adapter_model.safetensors")  # peft's names: without the adapter's
+        dist.load_weights(model, {k: adapter.get(k.replace(".default", ""), v) for k, v in dist.full_weights(model).items()})
+    else:  # the policy's own class: a causal LM or a vision-language model
+        dist.load_weights(model, type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
     if reference is not None:
         reference.load_state_dict(type(reference).from_pretrained(path / "reference", dtype=torch.float32).state_dict())
     # On the CPU whatever device saved it: the optimizer moves its state to its parameters' device on load.
     return torch.load(path / "state.pt", weights_only=False, map_location="cpu")
+
+
+def _save_adapter(path: Path, weights: dict, lora, base: str):
+    """A LoRA policy's adapter in peft's format (PeftModel.from_pretrained(base model, path) loads it): the adapter
+    tensors and every bias (lora.bias may train them), named without the adapter's name, and a config naming the layers
+    it adapts and its base (model.preset or model.path)."""
+    adapted = sorted({k.removeprefix("base_model.model.").split(".lora_A.")[0] for k in weights if ".lora_A." in k})
+    peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=adapted, bias=lora.bias,
+                    base_model_name_or_path=base).save_pretrained(path)
+    save_file({k.replace(".default", ""): v for k, v in weights.items() if ".lora_" in k or k.endswith(".bias")},
+              path / "adapter_model.safetensors")
 
 
 def prune(root: Path, keep: int):

@@ -18,6 +18,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+class LoraConfig(_Strict):
+    """Train low-rank adapters (peft) instead of all weights; the sampler decodes with the merged weights."""
+    r: int = Field(8, gt=0, description="rank of the adapters")
+    alpha: float = Field(16.0, gt=0, description="scale: an adapter adds alpha/r x B A to its layer's weight")
+    dropout: float = Field(0.0, ge=0, lt=1, description="only with model.dropout (then log-probs differ from the sampler's)")
+    target_modules: list[str] | str | None = Field(None, description="names, or a regex; None = the LM's linear layers")
+    bias: Literal["none", "all", "lora_only"] = Field("none", description="biases trained too (and checkpointed)")
+    save_merged: bool = Field(True, description="final/ and best/ also hold the merged model (plain transformers)")
+
+
 class ModelConfig(_Strict):
     preset: str | None = Field("tiny-dense", description="built-in architecture, randomly initialised")
     path: str | None = Field(None, description="local Hugging Face causal-LM or vision-language (Llava) directory (overrides preset)")
@@ -29,6 +39,7 @@ class ModelConfig(_Strict):
                              "hermes (Qwen, Hermes: <tool_call>{json}</tool_call>) or module:function of an env directory")
     dropout: bool = Field(False, description="keep the model's dropout (train mode) in the trainer's forward; off by "
                           "default, as in TRL: the sampler never has it, so with it the log-prob mismatch is noise")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters on the policy (None = all weights)")
 
     @field_validator("preset")
     @classmethod

@@ -23,7 +23,7 @@ from .chat import stop_ids
 from .config import RunConfig
 from .envs import EVAL_SEEDS
 from .episode import Episode
-from .models import load_policy, routers
+from .models import load_policy, merged, routers
 from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
 from .sampler import Sampler
 from .samples import record, training_samples
@@ -56,9 +56,8 @@ class Training:
         self.out_dir = Path(out_dir) if out_dir else None
         self.model, self.processor = load_policy(cfg.model, cfg.seed)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)  # a VLM's processor wraps it
-        if cfg.algo.router_freeze:  # no gradient, so neither AdamW nor weight decay ever touches them
-            for router in routers(self.model):
-                router.requires_grad_(False)
+        for router in routers(self.model) if cfg.algo.router_freeze else []:  # no gradient: AdamW never touches them
+            router.requires_grad_(False)
         self.pad_id = self.tokenizer.pad_token_id
         self.stops = stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         self.rollout = Rollout(cfg, self.processor, self.model.config.get_text_config().max_position_embeddings,
@@ -130,7 +129,7 @@ class Training:
                             f"{a.clip_low:g}/{a.clip_high:g}, warm start {w.steps} at lr {w.lr:g}", profile=profile)
         for note in self.rollout.notes:
             self.sink.event("env", note)
-        if self.cfg.algo.kl_coef > 0:
+        if self.cfg.algo.kl_coef > 0 and not self.cfg.model.lora:  # LoRA: the base, adapters disabled (update.py)
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         if found:
             self.restore(found)
@@ -150,7 +149,8 @@ class Training:
         # decode on a copy of their own, so that one eval is one policy while training publishes (more memory).
         sampler = functools.partial(Sampler, stop_ids=self.stops, pad_id=self.pad_id, version=self.version,
                                     temperature=self.cfg.loop.temperature, kv_budget_gb=self.cfg.loop.kv_budget_gb)
-        self.sampler = sampler(copy.deepcopy(self.model).to(getattr(torch, self.cfg.model.dtype)))
+        policy = copy.deepcopy(self.model)  # LoRA: the sampler's is a plain model, given the merged weights
+        self.sampler = sampler((policy.merge_and_unload() if self.cfg.model.lora else policy).to(getattr(torch, dtype)))
         evals = self.cfg.loop.eval_every and dist.rank() == 0  # more than one process: rank 0 evaluates
         self.eval_sampler = sampler(copy.deepcopy(self.sampler.model)) if evals else None
         # More than one process: the sampler and the reference stay plain copies; only the trained model is wrapped
@@ -239,8 +239,7 @@ class Training:
             batch = await self.next_batch()
             if await self.agree_stop(batch):  # stop requested while waiting for rollouts
                 break
-            groups, waited = batch
-            micro = self.micro_batch_size
+            (groups, waited), micro = batch, self.micro_batch_size
             dist.mark()  # in the step: the update marks each micro-batch, the heartbeat watches (dist.stalled)
             metrics, weights, samples = await asyncio.to_thread(self.update, groups)
             self.step += 1
@@ -271,7 +270,7 @@ class Training:
             async with self.changed:
                 if weights is not None:
                     self.version, self.published = version, weights
-                    self.sampler.publish(weights, version)
+                    self.sampler.publish(merged(weights, self.cfg.model.lora), version)
                 self.changed.notify_all()
         if self.stopping:
             if self.ckpt_dir and self.step > 0 and self.saved_at != self.step:
@@ -369,7 +368,7 @@ class Training:
         """Greedy episodes on held-out seeds, all of one version (on the eval sampler), never in the buffer or
         admission. When the reward is the best so far, the evaluated weights are written to OUT/best."""
         n, weights, version = self.cfg.loop.eval_episodes, self.published, self.version
-        self.eval_sampler.publish(weights, version)  # swapped in before its first decode step
+        self.eval_sampler.publish(merged(weights, self.cfg.model.lora), version)  # swapped in before it decodes
         async with asyncio.TaskGroup() as tg:  # its decoding fails the eval; it ends with the eval's episodes
             decoding = tg.create_task(self.eval_sampler.run())
             runs = (self.rollout.episode(self.eval_sampler, EVAL_SEEDS + i, -1, 0, greedy=True) for i in range(n))
@@ -387,7 +386,7 @@ class Training:
                 self.best = (values["eval_reward"], step)
                 if self.out_dir:
                     await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.sampler.model,
-                                            self.processor, weights)
+                                            self.processor, weights, self.cfg.model.lora)
                     self.summary.update(best_path=str(self.out_dir / "best"), best_step=step)
 
     async def finish(self):
@@ -399,7 +398,8 @@ class Training:
         self.summary["status"] = "completed"
         if self.out_dir and dist.rank() == 0:
             final = self.out_dir / "final"
-            await asyncio.to_thread(checkpoint.save_policy, final, self.sampler.model, self.processor, self.published)
+            await asyncio.to_thread(checkpoint.save_policy, final, self.sampler.model, self.processor, self.published,
+                                    self.cfg.model.lora)
             self.sink.event("saved", f"final policy saved to {final}", path=str(final))
             self.summary["final_path"] = str(final)
         raise _Finished
@@ -409,14 +409,12 @@ class Training:
     async def save_checkpoint(self, version: int, weights: dict):
         """Everything needed to continue exactly: weights, optimizer, RNGs, prompt cursor, untrained episodes.
         More than one process: rank 0 writes the full weights and every rank's own state."""
-        state = {
-            "step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
-            "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
-            "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
-            "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
-            **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        }
+        state = {"step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
+                 "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
+                 "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
+                 "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
+                 **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
+                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
         t0 = time.perf_counter()
         state = await asyncio.to_thread(dist.gather_ranks, state)
         state["optimizer"] = await asyncio.to_thread(dist.optimizer_state, self.model, self.optimizer)
@@ -424,7 +422,7 @@ class Training:
         if dist.rank() > 0:
             return
         path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.sampler.model, self.processor,
-                                       state, self.reference, weights, self.cfg.drills)
+                                       state, self.reference, weights, self.cfg.drills, self.cfg.model.lora)
         await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep)
         self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
                              seconds=time.perf_counter() - t0)

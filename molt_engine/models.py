@@ -5,6 +5,7 @@ import math
 import os
 import string
 
+import peft
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
@@ -84,9 +85,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 def device_of(model_cfg) -> torch.device:
     """The device `model.device` names; auto = a GPU if torch sees one, else the CPU. A GPU without an index is the
     first visible one, or under torchrun the rank's own: cuda:LOCAL_RANK (as dist.init sets it)."""
-    name = model_cfg.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if model_cfg.device == "auto" else model_cfg.device
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"model.device is {name!r} but torch sees no CUDA device "
                            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
@@ -150,6 +149,13 @@ def load_policy(model_cfg, seed: int):
             model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.name_or_path = f"preset {model_cfg.preset} (seed {seed})"  # what a LoRA checkpoint names as its base
+    if lora := model_cfg.lora:  # only the adapters train: all else, the vision tower included, is frozen unless targeted
+        text = next(name for name, m in model.named_modules() if m is model.get_decoder())
+        linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(text + ".")]
+        torch.manual_seed(seed)  # the adapters' initialisation
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                           target_modules=lora.target_modules or linear, bias=lora.bias))
     tokenizer = getattr(processor, "tokenizer", processor)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -157,6 +163,15 @@ def load_policy(model_cfg, seed: int):
         router.replay = None
         router.register_forward_hook(_route)
     return model.to(device).train(model_cfg.dropout), processor
+
+
+def merged(weights: dict, lora) -> dict:
+    """A LoRA policy's weights (peft's names) as its base model's own, each adapted layer's weight plus alpha/r x B A:
+    what the sampler decodes with and plain transformers loads. Without LoRA (no adapter in them), the same tensors."""
+    delta = {k.replace("lora_B.default", "base_layer"): lora.alpha / lora.r * (v @ weights[k.replace("_B.", "_A.")])
+             for k, v in weights.items() if ".lora_B." in k}
+    return {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v + delta[k] if k in delta else v
+            for k, v in weights.items() if ".lora_" not in k}
 
 
 # ---- MoE routing: what each router chose, and replaying a recorded choice ---------------------------------------------

@@ -1,5 +1,6 @@
 """One trainer step on a batch of groups (advantages, minibatched PPO/GSPO optimizer steps against the proximal policy,
 the breaker's verdict) and the batch's episode metrics."""
+import contextlib
 import math
 import resource
 from pathlib import Path
@@ -92,17 +93,16 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
             with _autocast(cfg, device):
                 logp, aux, moe_metrics = _logprobs(model, batch, cfg, stats=True)
                 ref_logp = None
-                if reference is not None:
-                    with torch.no_grad():
-                        ref_logp = token_logprobs(reference, batch, cfg.loop.temperature)
+                if algo.kl_coef > 0:  # LoRA: no reference copy; the base is the policy with its adapters disabled
+                    with torch.no_grad(), (model.disable_adapter() if reference is None else contextlib.nullcontext()):
+                        ref_logp = token_logprobs(model if reference is None else reference, batch, cfg.loop.temperature)
             if part.prox[k] is None:  # the first minibatch of the first epoch: the model is still the proximal policy
                 part.prox[k] = logp.detach()
             mask = batch["action_mask"]
-            loss, stats = policy_loss(
-                logp, part.prox[k], batch["behav_logp"], part.advs[k], mask,
-                loss=algo.loss, clip_low=algo.clip_low, clip_high=algo.clip_high, is_level=algo.is_level,
-                is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high, kl_coef=algo.kl_coef,
-                ref_logp=ref_logp, kl_estimator=algo.kl_estimator)
+            loss, stats = policy_loss(logp, part.prox[k], batch["behav_logp"], part.advs[k], mask, loss=algo.loss,
+                                      clip_low=algo.clip_low, clip_high=algo.clip_high, is_level=algo.is_level,
+                                      is_mode=algo.is_mode, is_low=algo.is_low, is_high=algo.is_high,
+                                      kl_coef=algo.kl_coef, ref_logp=ref_logp, kl_estimator=algo.kl_estimator)
             real = k < len(part.keeps)  # else a padding micro-batch: it adds nothing
             loss = loss * (real * int(mask.sum()) / max(part.action_tokens, 1))  # the token mean over the minibatch
             if first and k == 0:
@@ -207,19 +207,14 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
     episodes = one_per_episode(rows)
     n, action_tokens = len(episodes), sum(e.n_actions for e in rows)
     rewards = torch.tensor([e.reward for e in episodes])
-    staleness = torch.tensor([version - v for e in rows for v, a in zip(e.versions, e.is_action) if a],
-                             dtype=torch.float32)
-    return {
-        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
-        "pass_rate": sum(e.info["success"] for e in episodes) / n,
-        "entropy": sum(e.info["entropy"] for e in rows) / max(action_tokens, 1),
-        "response_length": action_tokens / n,
-        "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
-        "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
-        "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
-        "turns_mean": sum(e.info["turns"] for e in episodes) / n,
-        **env_metrics(episodes),
-    }
+    staleness = torch.tensor([float(version - v) for e in rows for v, a in zip(e.versions, e.is_action) if a])
+    return {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()) if n > 1 else 0.0,
+            "pass_rate": sum(e.info["success"] for e in episodes) / n, "response_length": action_tokens / n,
+            "entropy": sum(e.info["entropy"] for e in rows) / max(action_tokens, 1),
+            "staleness_mean": float(staleness.mean()) if len(staleness) else 0.0,
+            "staleness_max": float(staleness.max()) if len(staleness) else 0.0,
+            "tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
+            "turns_mean": sum(e.info["turns"] for e in episodes) / n, **env_metrics(episodes)}
 
 
 def eval_metrics(episodes: list[Episode]) -> dict:
