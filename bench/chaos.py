@@ -349,7 +349,7 @@ def verdict(soak: Soak, leftovers: list[int], drained: bool) -> dict:
     duplicates += q("SELECT count(*) FROM (SELECT 1 FROM metric GROUP BY run_id, name, step HAVING count(*) > 1)")[0][0]
     not_done = [r for r in runs.values() if r["status"] != "completed"]  # the runs we stopped were resumed
     corrupt, loaded = checkpoints(soak.home, runs)
-    evidence = [recorded(q, f) for f in soak.faults]
+    evidence = [recorded(q, f, soak.faults) for f in soak.faults]
     missing_events = [{"kind": f["kind"], "target": f.get("target")} for f, e in zip(soak.faults, evidence) if not e]
     recovery = defaultdict(list)
     for f in soak.faults:
@@ -401,14 +401,17 @@ def checkpoints(home: Path, runs: dict) -> tuple[int, int]:
     return corrupt, loaded
 
 
-def recorded(q, f: dict) -> str | None:
-    """The record that a fault left (an attempt's cause, a daemon event, an alert, an event, a metric), or None."""
+def recorded(q, f: dict, faults: list[dict]) -> str | None:
+    """The record that a fault left (an attempt's cause, a daemon event, an alert, an event, a metric), or None.
+    `faults`: all of the soak's, so that a hang is put down to the last fault that could have caused it."""
     kind, target = f["kind"], f.get("target", {})
     run_id = target.get("run")
     if kind in ("worker_kill", "rank_kill", "hang_long", "hang_short"):
         rows = q("SELECT number, cause, ended_at FROM attempt WHERE run_id = ? AND pid = ?", run_id, target["worker"])
         if kind == "hang_short":  # below the heartbeat timeout: the worker lives on (a later long hang may end it)
-            soon = f["time"] + target["seconds"] + 2 * HEARTBEAT_TIMEOUT_S
+            long_hangs = [g["time"] for g in faults if g["kind"] == "hang_long" and g["time"] > f["time"]
+                          and g.get("target", {}).get("worker") == target["worker"]]
+            soon = min([f["time"] + target["seconds"] + 2 * HEARTBEAT_TIMEOUT_S, *long_hangs])
             return None if any(c and c.startswith("hang") and e < soon for _, c, e in rows) else "no restart: kept"
         want = {"worker_kill": "SIGKILL", "rank_kill": f"pid {target.get('rank_pid')}) killed by SIGKILL",
                 "hang_long": "hang"}[kind]
