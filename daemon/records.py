@@ -162,7 +162,7 @@ class Records:
             run = self._get(s, run_id)
             if set_run(s, run_id, ("queued",), status="stopped", finished_at=now()):
                 add_event(s, run_id, "stopped", "stopped before it started")
-            elif set_run(s, run_id, ("running", "restarting"), status="stopping"):
+            elif set_run(s, run_id, ("running", "restarting", "unreachable"), status="stopping"):
                 add_event(s, run_id, "stop_requested", "stop requested")
             else:
                 s.refresh(run)
@@ -403,7 +403,7 @@ class Records:
             return [_dict(r) for r in s.scalars(q)]
 
     def _run_dict(self, s: Session, run: Run, open_alerts: int | None = None) -> dict:
-        d = _dict(run)
+        d = {k: v for k, v in _dict(run).items() if k != "ingest_token"}  # a hash, but of a credential
         if open_alerts is None:
             open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run.id, ~Alert.acknowledged))
         d["alerts_open"] = open_alerts
