@@ -365,6 +365,9 @@ def cmd_train(args) -> int:
 
     hf_logging.disable_progress_bar()
     use_envs(args.envs, "molt train")
+    if args.report_to and not args.token:
+        print("--report-to needs the dashboard's token: --token or $MOLT_TOKEN", file=sys.stderr)
+        return 2
     if args.resume and not args.out:
         print("--resume needs --out, the directory of the run to continue", file=sys.stderr)
         return 2
@@ -401,7 +404,7 @@ def cmd_train(args) -> int:
         try:
             torchrun(["--standalone", f"--nproc-per-node={cfg.dist.nproc}", "-m", "app.cli", "train",
                       "--config", str(out / "config.json"), "--out", str(out)] + ["--resume"] * args.resume
-                     + ["--report-to", args.report_to, "--token", args.token or ""] * bool(args.report_to))
+                     + ["--report-to", args.report_to, "--token", args.token] * bool(args.report_to))
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             print(f"molt train: rank {rank} failed: {failure.message}", file=sys.stderr)
@@ -410,7 +413,7 @@ def cmd_train(args) -> int:
     sink = ProgressSink(cfg.loop.steps) if rank == 0 else None
     if sink and args.report_to:  # delivered by a thread from a spool in `out`: training never waits on the dashboard
         from daemon.sink import HttpSink
-        sink = HttpSink(args.report_to, args.token or "", cfg.model_dump(mode="json"), out, echo=sink,
+        sink = HttpSink(args.report_to, args.token, cfg.model_dump(mode="json"), out, echo=sink,
                         ranks=int(os.environ.get("WORLD_SIZE", "1")))
     summary = {"status": "failed"}
     try:

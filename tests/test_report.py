@@ -32,7 +32,7 @@ def train(tmp_path: Path, served: Served, steps: int, token: str | None = None) 
     """`molt train --report-to` as a user runs it, in its own output directory; output to a file."""
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "loop": {**CONFIG["loop"], "steps": steps}}))
     log = open(tmp_path / "train.log", "w")
-    env = child_env(tmp_path / "unused-home", MOLT_TOKEN=token or served.token)
+    env = {**child_env(tmp_path / "unused-home"), "MOLT_TOKEN": token or served.token}
     return subprocess.Popen(molt("train", "--config", str(tmp_path / "config.json"), "--out", str(tmp_path / "out"),
                                  "--report-to", served.base), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
@@ -94,6 +94,7 @@ def served(tmp_path_factory):
     served.close()
 
 
+@pytest.mark.slow
 def test_a_stop_from_the_dashboard_checkpoints_and_exits_4(served, tmp_path):
     proc = train(tmp_path, served, 500)
     try:
