@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from sqlalchemy import select, update
 from sqlmodel import Session
 
@@ -15,10 +15,14 @@ from daemon.models import ACTIVE, Attempt, Run, now
 from daemon.records import RunRequest
 from daemon.sink import write_records
 
+from . import rest
 from .rest import RunId, _problem, authenticated, bearer, known_query, records_of
 from .schemas import RunOut
 
-Int = Annotated[int, Field(ge=0, le=2**62)]
+# JSON's integers: 3.0 is one (JSON Schema's reading), true is not; bounds exact as doubles (JSON checkers compare those)
+Whole = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
+Int = Annotated[int, Field(ge=0, le=10**15), Whole]
+Signed = Annotated[int, Field(ge=-10**15, le=10**15), Whole]
 Text = Annotated[str, Field(max_length=100_000)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
@@ -71,9 +75,9 @@ class CheckpointRecord(_Record):
 
 class Episode(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    group: int
-    seed: int
-    version: int
+    group: Signed
+    seed: Signed
+    version: Signed
     reward: float | None
     advantage: float | None
     success: bool
@@ -91,7 +95,7 @@ class SamplesRecord(_Record):
     step: Int
     kind: Literal["train", "eval"]
     records: list[Episode] = Field(max_length=10_000)
-    keep: Annotated[int, Field(ge=1, le=2**62)] | None = None
+    keep: Annotated[int, Field(ge=1, le=10**15), Whole] | None = None
 
 
 class EndRecord(_Record):
@@ -116,7 +120,8 @@ class Ingested(BaseModel):
     written: int
 
 
-router = APIRouter(prefix="/api/v1", tags=["external runs"], dependencies=[Depends(known_query)])
+router = APIRouter(prefix="/api/v1", tags=["external runs"], dependencies=[Depends(known_query)],
+                   responses=rest.router.responses)  # 400 not JSON, 422 invalid
 refused = {401: _problem("missing or unknown ingest token"), 403: _problem("the token belongs to another run")}
 
 
@@ -124,7 +129,7 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-@router.post("/runs/external", status_code=201, response_model=Registered, dependencies=[Depends(authenticated)],
+@router.post("/external-runs", status_code=201, response_model=Registered, dependencies=[Depends(authenticated)],
              responses={401: _problem("missing or wrong token"), 403: _problem("cross-site request")})
 def register(request: Request, body: ExternalRunBody):
     """Register a run that trains elsewhere and reports here (`molt train --report-to`): it shows as running, is

@@ -94,7 +94,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
                                    swagger_css_url="/static/vendor/swagger-ui.css",
                                    swagger_favicon_url="/static/vendor/favicon.png")
 
-    app.include_router(ingest.router)  # before rest: /runs/external is not /runs/{run_id}
+    app.include_router(ingest.router)
     app.include_router(rest.router)
     app.include_router(prometheus.router)
     app.include_router(launch.router)  # before pages: /runs/new is not /runs/{run_id}

@@ -271,7 +271,7 @@ class HttpSink(SpoolSink):
 
     def _deliver(self, batch: list[dict], beat: float | None):
         if self.run_id is None:
-            registered = self._post("/api/v1/runs/external", self.token, {
+            registered = self._post("/api/v1/external-runs", self.token, {
                 "name": self.name, "config": self.config, "host": socket.gethostname(), "pid": os.getpid(),
                 "ranks": self.ranks})
             self.run_id, self.ingest_token = registered["run"]["id"], registered["ingest_token"]

@@ -113,7 +113,7 @@ def test_a_stop_from_the_dashboard_checkpoints_and_exits_4(served, tmp_path):
 
 def test_ingest_tokens_are_scoped_and_a_resent_batch_duplicates_nothing(served):
     def register(host):
-        response = served.client.post("/api/v1/runs/external", json={
+        response = served.client.post("/api/v1/external-runs", json={
             "config": {"env": "max_digit"}, "host": host, "pid": 1234, "ranks": 2})
         assert response.status_code == 201, response.text
         return response.json()
@@ -127,7 +127,7 @@ def test_ingest_tokens_are_scoped_and_a_resent_batch_duplicates_nothing(served):
     assert ingest(served.base, run_id, second["ingest_token"], batch).status_code == 403  # another run's token
     assert ingest(served.base, run_id, "wrong", batch).status_code == 401
     assert ingest(served.base, run_id, served.token, batch).status_code == 401  # the dashboard's token: not here
-    assert httpx.post(f"{served.base}/api/v1/runs/external", json={"config": {"env": "max_digit"}, "host": "x",
+    assert httpx.post(f"{served.base}/api/v1/external-runs", json={"config": {"env": "max_digit"}, "host": "x",
                                                                    "pid": 1}, timeout=30).status_code == 401
     assert ingest(served.base, run_id, token, [{"t": "metrics", "step": 0}]).status_code == 422
     for _ in range(2):
@@ -142,7 +142,7 @@ def test_ingest_tokens_are_scoped_and_a_resent_batch_duplicates_nothing(served):
 
 
 def test_a_run_without_heartbeats_is_unreachable_not_failed_and_running_again_when_they_resume(served):
-    registered = served.client.post("/api/v1/runs/external", json={
+    registered = served.client.post("/api/v1/external-runs", json={
         "config": {"env": "max_digit"}, "host": "node-c", "pid": 99}).json()
     run_id, token = registered["run"]["id"], registered["ingest_token"]
     until(lambda: served.client.get(f"/api/v1/runs/{run_id}").json()["status"] == "unreachable", 60,
