@@ -19,7 +19,7 @@ from . import rest
 from .rest import RunId, _problem, authenticated, bearer, known_query, records_of
 from .schemas import RunOut
 
-# JSON's integers: 3.0 is one (JSON Schema's reading), true is not; bounds exact as doubles (JSON checkers compare those)
+# JSON's integers: 3.0 is one (as JSON Schema reads it), true is not; bounds exact as doubles (checkers compare those)
 Whole = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
 Int = Annotated[int, Field(ge=0, le=10**15), Whole]
 Signed = Annotated[int, Field(ge=-10**15, le=10**15), Whole]

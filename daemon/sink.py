@@ -26,8 +26,9 @@ class SpoolSink:
     on the database or the network): a record is appended to a list and to a spool file, and a delivery thread hands
     the list to `_deliver` every `flush_every` seconds, in order. The spool is why a SIGKILL loses nothing: a write()
     is in the kernel as soon as it returns, and what was never delivered can be replayed from it. A batch that fails
-    stays first in line and is retried (with backoff up to `retry_max`), so delivery is at least once and in order;
-    the receiving side is idempotent. With `spool_cap` bytes undelivered, new records are dropped with a warning.
+    stays first in line and is retried (every flush_every, backing off up to `backoff` times that), so delivery is
+    at least once and in order; the receiving side is idempotent. With `spool_cap` bytes undelivered, new records
+    are dropped with a warning.
 
     Heartbeats go with the batches, at most once a second, with the time the engine called heartbeat(), not the
     time of the delivery: if the event loop hangs, the delivered time stops moving even though this thread lives on.
@@ -122,7 +123,7 @@ class SpoolSink:
     def _loop(self):
         while not self._stop.is_set():
             self._flush()
-            self._wake.wait(self.flush_every * min(2 ** self._failing, self.backoff))
+            self._wake.wait(self.flush_every * min(2 ** min(self._failing, 10), self.backoff))
             self._wake.clear()
         deadline = time.monotonic() + self.drain_s
         while not self._flush() and time.monotonic() < deadline:  # the last records; delivery may be slow a moment
