@@ -33,6 +33,8 @@ def main(argv=None):
                    help="continue from the latest checkpoint in --out (its saved config is used unless --config)")
     t.add_argument("--nproc", type=int, help="processes (data-parallel ranks, started through torchrun); sets "
                                              "dist.nproc")
+    t.add_argument("--report-to", metavar="URL", help="a dashboard to report this run to, as an external run")
+    t.add_argument("--token", default=os.environ.get("MOLT_TOKEN"), help="its token (default $MOLT_TOKEN)")
     envs_option(t)
     t.set_defaults(func=cmd_train)
 
@@ -194,6 +196,9 @@ def cmd_train(args) -> int:
 
     hf_logging.disable_progress_bar()
     use_envs(args.envs, "molt train")
+    if args.report_to and not args.token:
+        print("--report-to needs the dashboard's token: --token or $MOLT_TOKEN", file=sys.stderr)
+        return 2
     if args.resume and not args.out:
         print("--resume needs --out, the directory of the run to continue", file=sys.stderr)
         return 2
@@ -229,17 +234,26 @@ def cmd_train(args) -> int:
         from torch.distributed.run import main as torchrun
         try:
             torchrun(["--standalone", f"--nproc-per-node={cfg.dist.nproc}", "-m", "app.cli", "train",
-                      "--config", str(out / "config.json"), "--out", str(out)] + ["--resume"] * args.resume)
+                      "--config", str(out / "config.json"), "--out", str(out)] + ["--resume"] * args.resume
+                     + ["--report-to", args.report_to, "--token", args.token] * bool(args.report_to))
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             print(f"molt train: rank {rank} failed: {failure.message}", file=sys.stderr)
             return EXIT_CODES["failed"]
         return 0
     sink = ProgressSink(cfg.loop.steps) if rank == 0 else None
+    if sink and args.report_to:  # delivered by a thread from a spool in `out`: training never waits on the dashboard
+        from daemon.sink import HttpSink
+        sink = HttpSink(args.report_to, args.token, cfg.model_dump(mode="json"), out, echo=sink,
+                        ranks=int(os.environ.get("WORLD_SIZE", "1")))
+    summary = {"status": "failed"}
     try:
         summary = train(cfg, sink, out_dir=out, resume=args.resume)
     finally:
-        if sink:
+        if sink and args.report_to:  # the outcome is reported last, as a daemon's worker records its own
+            sink.echo.bar.close()
+            sink.end(summary["status"], summary, error=str(sys.exc_info()[1] or "") or None)
+        elif sink:
             sink.bar.close()
     if rank == 0:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))

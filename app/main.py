@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemon.records import Records, RunNotFound
 
-from . import eval_pages, evals, launch, pages, prometheus, rest
+from . import eval_pages, evals, ingest, launch, pages, prometheus, rest
 from .auth import Auth, load_or_create_token, same_origin
 from .live import OVERFLOW, Hub, daemon_message, dumps
 from .series import SeriesCache
@@ -94,6 +94,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
                                    swagger_css_url="/static/vendor/swagger-ui.css",
                                    swagger_favicon_url="/static/vendor/favicon.png")
 
+    app.include_router(ingest.router)
     app.include_router(rest.router)
     app.include_router(evals.router)
     app.include_router(eval_pages.router)

@@ -56,6 +56,8 @@ class RunOut(Out):
     notes: str = ""
     archived: bool = Field(False, description="hidden from the runs list unless asked for")
     best_eval: Number | None = Field(None, description="the highest eval_reward recorded, if any")
+    host: str | None = Field(None, description="an external run's machine (`molt train --report-to`); null: ours")
+    ranks: int | None = Field(None, description="an external run's processes")
     created_at: float
     started_at: float | None
     finished_at: float | None

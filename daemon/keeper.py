@@ -141,7 +141,7 @@ def stop_daemon(records: Records, grace: float, say=print) -> bool:
     if pid is None:
         return False
     try:
-        ids = [r["id"] for r in records.list_runs(status=["running", "restarting"])]
+        ids = [r["id"] for r in records.list_runs(status=["running", "restarting"]) if not r["host"]]  # ours only
         if ids:
             say(f"stopping run(s) {', '.join(map(str, ids))}: checkpointing (Ctrl-C again to leave them running)")
             for run_id in ids:

@@ -14,7 +14,8 @@ SQLModel.metadata.naming_convention = {
 }
 
 # Times are unix seconds (float, UTC): unambiguous, sortable, and what the heartbeat arithmetic needs.
-ACTIVE = ("running", "restarting", "stopping")       # a slot is taken: a worker lives or is about to
+# a slot is taken: a worker lives or is about to; an external run is "unreachable" while its heartbeats are missing
+ACTIVE = ("running", "restarting", "stopping", "unreachable")
 TERMINAL = ("completed", "failed", "stopped", "tripped")
 STATUSES = ("queued",) + ACTIVE + TERMINAL
 OUTCOMES = ("completed", "stopped", "tripped")      # a worker's clean ends; each is also the run's final status
@@ -47,6 +48,10 @@ class Run(SQLModel, table=True):
     next_start_at: float | None = None     # status restarting: when the backoff ends
     notes: str = Field(default="", sa_column=Column(Text, nullable=False, server_default=""))
     archived: bool = Field(default=False, sa_column=Column(Boolean, nullable=False, server_default="0"))
+    # An external run (`molt train --report-to`): trained elsewhere, it reports over HTTP and is never supervised here
+    host: str | None = None                # the machine it trains on; None for the daemon's own runs
+    ranks: int | None = None               # its processes (world size)
+    ingest_token: str | None = Field(default=None, index=True)  # sha256 of its run-scoped ingest token
 
 
 class Attempt(SQLModel, table=True):

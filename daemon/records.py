@@ -169,7 +169,7 @@ class Records:
             run = self._get(s, run_id)
             if set_run(s, run_id, ("queued",), status="stopped", finished_at=now()):
                 add_event(s, run_id, "stopped", "stopped before it started")
-            elif set_run(s, run_id, ("running", "restarting"), status="stopping"):
+            elif set_run(s, run_id, ("running", "restarting", "unreachable"), status="stopping"):
                 add_event(s, run_id, "stop_requested", "stop requested")
             else:
                 s.refresh(run)
@@ -410,10 +410,12 @@ class Records:
             return [_dict(r) for r in s.scalars(q)]
 
     def _run_dict(self, s: Session, run: dict, open_alerts: int | None = None) -> dict:
-        """A run's row (`_dict`) as the API shows it: its open alerts counted, its pid only while it is active."""
+        """A run's row (`_dict`) as the API shows it: its open alerts counted, its pid only while it is active, and
+        never its ingest token's hash (a hash, but of a credential)."""
         if open_alerts is None:
             open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run["id"], ~Alert.acknowledged))
-        return {**run, "alerts_open": open_alerts, "pid": run["pid"] if run["status"] in ACTIVE else None}
+        shown = {k: v for k, v in run.items() if k != "ingest_token"}
+        return {**shown, "alerts_open": open_alerts, "pid": run["pid"] if run["status"] in ACTIVE else None}
 
 
 def extremes(values: np.ndarray, max_points: int | None) -> np.ndarray:

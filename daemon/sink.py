@@ -3,9 +3,12 @@ import errno
 import json
 import math
 import os
+import signal
+import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from sqlalchemy import delete, func, update
@@ -18,42 +21,46 @@ FLUSH_EVERY_S = 0.3  # "about every 0.5 s", a little under: it is the floor of l
 HEARTBEAT_EVERY_S = 1.0
 
 
-class DbSink:
-    """The engine's sink for a daemon run. Calls return at once (the engine's event loop must never wait on the
-    database): a record is appended to a list and to a spool file, and a writer thread commits the list every
-    FLUSH_EVERY_S in one transaction. The spool is why a SIGKILL loses nothing: a write() is in the kernel as soon
-    as it returns, and whoever finds the worker dead replays the spool (replay_spools) before the next attempt.
-    Every write is idempotent: metrics upsert on (run, name, step), samples on (run, step, kind, position), alerts
-    and events carry a unique uid. With `keep_samples`, samples older than the newest that many steps are deleted.
+class SpoolSink:
+    """What the database sink and the HTTP sink share: calls return at once (the engine's event loop must never wait
+    on the database or the network): a record is appended to a list and to a spool file, and a delivery thread hands
+    the list to `_deliver` every `flush_every` seconds, in order. The spool is why a SIGKILL loses nothing: a write()
+    is in the kernel as soon as it returns, and what was never delivered can be replayed from it. A batch that fails
+    stays first in line and is retried (every flush_every, backing off up to `backoff` times that), so delivery is
+    at least once and in order; the receiving side is idempotent. With `spool_cap` bytes undelivered, new records
+    are dropped with a warning.
 
-    Heartbeats go to the attempt row, at most once a second, with the time the engine called heartbeat(), not the
-    time of the write: if the event loop hangs, the written time stops moving even though this thread lives on.
-    Until the engine's first heartbeat (imports, model loading, warm start) the writer thread beats instead."""
+    Heartbeats go with the batches, at most once a second, with the time the engine called heartbeat(), not the
+    time of the delivery: if the event loop hangs, the delivered time stops moving even though this thread lives on.
+    Until the engine's first heartbeat (imports, model loading, warm start) the delivery thread beats instead."""
+    what = "delivery"            # for messages: "{what} failed"
+    backoff = 1                  # a failing batch is retried every flush_every times up to this factor (doubling)
+    drain_s = 10.0               # at close, how long the last records may take to be delivered
 
-    def __init__(self, engine: Engine, run_id: int, attempt_id: int, spool_dir: Path | None = None,
-                 flush_every: float = FLUSH_EVERY_S, keep_samples: int | None = None, full_disk_at=()):
-        self.engine, self.run_id, self.attempt_id, self.flush_every = engine, run_id, attempt_id, flush_every
-        self.keep_samples = keep_samples
-        self.full_disk_at = set(full_disk_at)  # the run's drills.db_full_disk_at: steps not yet failed
+    def __init__(self, name: str, spool_dir: Path | None, spool_prefix: str, flush_every: float = FLUSH_EVERY_S,
+                 keep_samples: int | None = None, spool_cap: int | None = None):
+        self.flush_every, self.spool_prefix, self.keep_samples = flush_every, spool_prefix, keep_samples
+        self.spool_cap = spool_cap if spool_dir else None  # the spool's size is what is measured
         self.spool_dir = Path(spool_dir) if spool_dir else None
         self._lock = threading.Lock()
         self._pending: list[dict] = []
         self._seq = 0
         self._segment, self._fd = 0, None
-        self._committed_upto = -1              # spool segments up to this index are in the database
+        self._committed_upto = -1              # spool segments up to this index are delivered
+        self._spooled = self._dropped = 0      # undelivered bytes; records dropped past spool_cap
         self._engine_beat: float | None = None  # the time of the engine's latest heartbeat() call
         self._beat_written, self._beat_write_at = 0.0, -1e9
         self._stop, self._wake = threading.Event(), threading.Event()
-        self.passes = self.failures = 0    # writer passes / failed transactions (for tests and the bench)
-        self._failing = False
+        self.passes = self.failures = 0    # delivery passes / failed deliveries (for tests and the bench)
+        self._failing = 0                  # failures in a row
         self.writer_cpu_s = None
         if self.spool_dir:
             self.spool_dir.mkdir(parents=True, exist_ok=True)
             self._fd = self._open_segment()
-        self._thread = threading.Thread(target=self._loop, name=f"molt-db-writer-{run_id}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    # ---- the engine's Sink protocol (any thread; never blocks on the database) -------------------------------------
+    # ---- the engine's Sink protocol (any thread; never blocks on delivery) -----------------------------------------
 
     def metrics(self, step: int, values: dict[str, float]):
         self._add({"t": "metrics", "time": time.time(), "step": int(step), "values": _floats(values)})
@@ -77,34 +84,49 @@ class DbSink:
         self._engine_beat = time.time()
 
     def close(self, timeout: float = 30.0):
-        """Stop the writer after a last flush. The spool is removed only when everything is committed."""
+        """Stop the delivery thread after a last flush. The spool is removed only when everything is delivered."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
 
     # ---- internals ------------------------------------------------------------------------------------------------
 
+    def _deliver(self, batch: list[dict], beat: float | None):
+        """Deliver a batch (and the engine's heartbeat time, if any), or raise."""
+        raise NotImplementedError
+
+    def _uid(self) -> str:
+        return str(self._seq)
+
     def _add(self, record: dict, uid: bool = False):
         with self._lock:
             if uid:
                 self._seq += 1
-                record["uid"] = f"{self.attempt_id}:{self._seq}"
+                record["uid"] = self._uid()
             if self._fd is not None:
-                os.write(self._fd, (json.dumps(record, default=_jsonable) + "\n").encode())
+                line = (json.dumps(record, default=_jsonable) + "\n").encode()
+                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap:
+                    if not self._dropped:
+                        print(f"molt: WARNING: the spool holds {self._spooled / 2**20:.1f} MiB not yet delivered "
+                              f"(its cap): new records are DROPPED until {self.what} succeeds again",
+                              file=sys.stderr, flush=True)
+                    self._dropped += 1
+                    return
+                self._spooled += len(line)
+                os.write(self._fd, line)
             self._pending.append(record)
 
     def _open_segment(self) -> int:
-        path = self.spool_dir / f"spool-{self.attempt_id:08d}-{self._segment:06d}.jsonl"
+        path = self.spool_dir / f"{self.spool_prefix}-{self._segment:06d}.jsonl"
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def _loop(self):
         while not self._stop.is_set():
             self._flush()
-            self._wake.wait(self.flush_every)
+            self._wake.wait(self.flush_every * min(2 ** min(self._failing, 10), self.backoff))
             self._wake.clear()
-        for _ in range(20):  # the last records; the database may be busy for a moment
-            if self._flush():
-                break
+        deadline = time.monotonic() + self.drain_s
+        while not self._flush() and time.monotonic() < deadline:  # the last records; delivery may be slow a moment
             time.sleep(0.5)
         if self._fd is not None and not self._pending:
             os.close(self._fd)
@@ -128,22 +150,24 @@ class DbSink:
         if not batch and beat is None:
             return True
         try:
-            drilled = {r["step"] for r in batch if r["t"] == "metrics"} & self.full_disk_at
-            if drilled:
-                self.full_disk_at -= drilled
-                raise OSError(errno.ENOSPC, "No space left on device (drill: drills.db_full_disk_at)")
-            with self.engine.begin() as conn:
-                write_records(conn, self.run_id, self.attempt_id, batch, heartbeat=beat)
-        except Exception as e:  # a busy or broken database must not kill training: keep the records, retry later
+            self._deliver(batch, beat)
+        except Exception as e:  # a busy database or a dashboard down must not kill training: keep them, retry later
             self.failures += 1
-            print(f"molt: database write failed ({type(e).__name__}: {e}); will retry", file=sys.stderr, flush=True)
+            print(f"molt: {self.what} failed ({type(e).__name__}: {e}); will retry", file=sys.stderr, flush=True)
             with self._lock:
                 self._pending[:0] = batch
-            if not self._failing:  # one event per streak of failures: committed with the records it held back
-                self.event("database_write_failed", f"database write failed ({type(e).__name__}: {e}); retrying")
-            self._failing = True
+            if not self._failing:  # one event per streak of failures: delivered with the records it held back
+                self.event(f"{self.what.replace(' ', '_')}_failed", f"{self.what} failed ({type(e).__name__}: {e}); "
+                           "retrying")
+            self._failing += 1
             return False
-        self._failing = False
+        self._failing = 0
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            print(f"molt: {self.what} works again; {dropped} records were dropped", file=sys.stderr, flush=True)
+            self.event("spool_full", f"{dropped} records dropped: {self.what} failed while the spool held "
+                       f"{self.spool_cap / 2**20:.0f} MiB (its cap)", dropped=dropped)
         if beat is not None:
             self._beat_written, self._beat_write_at = beat, time.monotonic()
         if closed is not None:
@@ -152,8 +176,115 @@ class DbSink:
 
     def _remove_segments(self, upto: int):
         for i in range(self._committed_upto + 1, upto + 1):
-            (self.spool_dir / f"spool-{self.attempt_id:08d}-{i:06d}.jsonl").unlink(missing_ok=True)
+            path = self.spool_dir / f"{self.spool_prefix}-{i:06d}.jsonl"
+            with self._lock:
+                self._spooled -= path.stat().st_size if path.exists() else 0
+            path.unlink(missing_ok=True)
         self._committed_upto = upto
+
+
+class DbSink(SpoolSink):
+    """The engine's sink for a daemon run: its delivery commits each batch to SQLite in one transaction. Whoever
+    finds the worker dead replays its spool (replay_spools) before the next attempt. Every write is idempotent:
+    metrics upsert on (run, name, step), samples on (run, step, kind, position), alerts and events carry a unique
+    uid ("attempt:seq"). With `keep_samples`, samples older than the newest that many steps are deleted. The
+    heartbeat goes to the attempt row."""
+    what = "database write"
+
+    def __init__(self, engine: Engine, run_id: int, attempt_id: int, spool_dir: Path | None = None,
+                 flush_every: float = FLUSH_EVERY_S, keep_samples: int | None = None, full_disk_at=()):
+        self.engine, self.run_id, self.attempt_id = engine, run_id, attempt_id
+        self.full_disk_at = set(full_disk_at)  # the run's drills.db_full_disk_at: steps not yet failed
+        super().__init__(f"molt-db-writer-{run_id}", spool_dir, f"spool-{attempt_id:08d}", flush_every, keep_samples)
+
+    def _uid(self) -> str:
+        return f"{self.attempt_id}:{self._seq}"
+
+    def _deliver(self, batch: list[dict], beat: float | None):
+        drilled = {r["step"] for r in batch if r["t"] == "metrics"} & self.full_disk_at
+        if drilled:
+            self.full_disk_at -= drilled
+            raise OSError(errno.ENOSPC, "No space left on device (drill: drills.db_full_disk_at)")
+        with self.engine.begin() as conn:
+            write_records(conn, self.run_id, self.attempt_id, batch, heartbeat=beat)
+
+
+class HttpSink(SpoolSink):
+    """The sink of an external run (`molt train --report-to URL`): each batch is POSTed, in order, to the dashboard's
+    ingest endpoint, which writes it with write_records (idempotent: a re-sent batch duplicates nothing). The run is
+    registered with the dashboard token on the first delivery, which returns the run-scoped ingest token that every
+    later request carries; until then records wait in the spool, so training never waits on the dashboard. Each
+    reply says whether a stop was requested: then this process gets SIGTERM, as a daemon's worker does, and the
+    engine checkpoints and stops. `echo` (the terminal's progress sink) sees every call too."""
+    what = "report"
+    backoff = 16          # retries of a failing batch: every 0.3 s, doubling up to about 5 s
+    drain_s = 120.0       # at the end, how long a dashboard that is down may take to come back
+    chunk = 500           # records per request
+
+    def __init__(self, url: str, token: str, config: dict, out_dir: Path, name: str | None = None, ranks: int = 1,
+                 echo=None, flush_every: float = FLUSH_EVERY_S, spool_cap: int = 256 * 2**20):
+        import httpx
+        self.url, self.token, self.echo, self.ranks = url.rstrip("/"), token, echo, ranks
+        self.config, self.name = config, name
+        self.run_id = self.ingest_token = None
+        self.session = uuid.uuid4().hex[:12]  # alert and event uids: "session:seq", unique per run
+        self.stop_requested = False
+        self.client = httpx.Client(timeout=10)
+        super().__init__("molt-report", out_dir, "report-spool", flush_every,
+                         (config.get("record") or {}).get("keep_steps"), spool_cap)
+
+    def metrics(self, step, values):
+        super().metrics(step, values)
+        self.echo and self.echo.metrics(step, values)
+
+    def alert(self, kind, message, **data):
+        super().alert(kind, message, **data)
+        self.echo and self.echo.alert(kind, message, **data)
+
+    def event(self, kind, message, **data):
+        super().event(kind, message, **data)
+        self.echo and self.echo.event(kind, message, **data)
+
+    def checkpoint(self, step, path, **info):
+        # its size measured here: the dashboard's machine cannot see this one's files
+        info.setdefault("size_bytes", sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()))
+        super().checkpoint(step, path, **info)
+
+    def end(self, status: str, summary: dict | None = None, error: str | None = None):
+        """The run's outcome (completed, stopped, tripped, failed): delivered last, then the sink closes, waiting up to
+        drain_s for a dashboard that is down. What is still undelivered then stays in the spool."""
+        self._add({"t": "end", "time": time.time(), "status": status, "summary": summary, "error": error})
+        self.close(self.drain_s + 30)
+        if self._pending:
+            print(f"molt: {len(self._pending)} records could not be reported to {self.url}; they stay in "
+                  f"{self.spool_dir}", file=sys.stderr, flush=True)
+        self.client.close()
+
+    def _uid(self) -> str:
+        return f"{self.session}:{self._seq}"
+
+    def _post(self, path: str, token: str, body: dict) -> dict:
+        response = self.client.post(self.url + path, content=json.dumps(body, default=_jsonable),
+                                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        if response.is_error:
+            raise RuntimeError(f"{response.status_code} from {self.url + path}: {response.text[:300]}")
+        return response.json()
+
+    def _deliver(self, batch: list[dict], beat: float | None):
+        if self.run_id is None:
+            registered = self._post("/api/v1/external-runs", self.token, {
+                "name": self.name, "config": self.config, "host": socket.gethostname(), "pid": os.getpid(),
+                "ranks": self.ranks})
+            self.run_id, self.ingest_token = registered["run"]["id"], registered["ingest_token"]
+            print(f"molt: reporting to {self.url}/runs/{self.run_id}", file=sys.stderr, flush=True)
+        age = None if beat is None else max(0.0, time.time() - beat)
+        for i in range(0, max(1, len(batch)), self.chunk):
+            reply = self._post(f"/api/v1/runs/{self.run_id}/ingest", self.ingest_token,
+                               {"records": batch[i:i + self.chunk], "heartbeat_age": age})
+            if reply["stop"] and not self.stop_requested:
+                self.stop_requested = True
+                print("molt: stop requested from the dashboard: checkpointing", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)  # what the daemon sends its worker: the engine checkpoints
 
 
 def write_records(conn, run_id: int, attempt_id: int, records: list[dict], heartbeat: float | None = None):

@@ -118,6 +118,22 @@ class Supervisor:
         self.reconcile()
         self.start_due()
         self.evals.tick()
+        self.watch_external()
+
+    def watch_external(self):
+        """External runs (`molt train --report-to`) are never started, restarted or failed here: one whose heartbeats
+        stop for heartbeat_timeout is `unreachable`; the ingest endpoint makes it running again when they resume."""
+        beat = func.max(func.coalesce(Attempt.heartbeat_at, Attempt.started_at))
+        with Session(self.engine) as s:
+            stale = s.scalars(select(Run.id).join(Attempt, Attempt.run_id == Run.id).where(
+                Run.host.is_not(None), Run.status == "running").group_by(Run.id)
+                .having(beat < now() - self.heartbeat_timeout)).all()
+            for run_id in stale:
+                if set_run(s, run_id, ("running",), status="unreachable"):
+                    add_event(s, run_id, "unreachable", f"no heartbeat for {self.heartbeat_timeout:.0f}s: "
+                              "unreachable (running again when it reports again)")
+                    log.warning("external run %d: unreachable", run_id)
+            s.commit()
 
     # ---- watching -------------------------------------------------------------------------------------------------
 
@@ -251,7 +267,8 @@ class Supervisor:
         """Runs marked active without a worker here: after a daemon restart (or anything unexpected). A live worker
         is adopted, never duplicated; a dead one's open attempt is closed and the run continues or ends."""
         with Session(self.engine) as s:
-            runs = s.scalars(select(Run).where(Run.status.in_(ACTIVE), Run.id.not_in(list(self.workers)))).all()
+            runs = s.scalars(select(Run).where(Run.status.in_(ACTIVE), Run.id.not_in(list(self.workers)),
+                                               Run.host.is_(None))).all()  # external runs have no worker here
             for run in runs:
                 holder = lock_holder(run_dir(self.home, run.id) / "worker.lock")
                 open_attempts = s.scalars(select(Attempt).where(Attempt.run_id == run.id, Attempt.ended_at.is_(None))
@@ -299,7 +316,7 @@ class Supervisor:
             for run in due:
                 if self.gpus_needed(run) <= len(self.free_gpus()):
                     self.start(s, run)
-            active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE)))
+            active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
             free = self.concurrency - active - len(self.evals.workers)
             if free > 0:
                 for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():

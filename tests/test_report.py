@@ -1,0 +1,154 @@
+"""External runs: `molt train --report-to` against a real `molt serve`: a dashboard SIGKILLed mid-run loses and
+duplicates nothing, a stop from the dashboard checkpoints and exits 4, ingest tokens are scoped to their run."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+from sqlmodel import Session
+
+from daemon.db import connect
+from daemon.models import Event, Metric
+
+from app_support import FAST, ROOT, Served, child_env, free_port, molt
+
+CONFIG = {**FAST, "model": {"preset": "tiny-dense"}, "seed": 0}
+
+
+def until(condition, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+    return value
+
+
+def train(tmp_path: Path, served: Served, steps: int, token: str | None = None) -> subprocess.Popen:
+    """`molt train --report-to` as a user runs it, in its own output directory; output to a file."""
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "loop": {**CONFIG["loop"], "steps": steps}}))
+    log = open(tmp_path / "train.log", "w")
+    env = {**child_env(tmp_path / "unused-home"), "MOLT_TOKEN": token or served.token}
+    return subprocess.Popen(molt("train", "--config", str(tmp_path / "config.json"), "--out", str(tmp_path / "out"),
+                                 "--report-to", served.base), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+
+
+def external_run(served: Served) -> dict | None:
+    runs = [r for r in served.client.get("/api/v1/runs").json() if r["host"]]
+    return runs[0] if runs else None
+
+
+def ingest(base: str, run_id: int, token: str, records: list, age: float | None = 0.0) -> httpx.Response:
+    return httpx.post(f"{base}/api/v1/runs/{run_id}/ingest", json={"records": records, "heartbeat_age": age},
+                      headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+
+@pytest.mark.slow
+def test_a_dashboard_killed_mid_run_and_restarted_loses_and_duplicates_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOLT_HEARTBEAT_TIMEOUT", "4")  # so its daemon marks the run unreachable while the web is down
+    home, port, steps = tmp_path / "home", free_port(), 40
+    served = Served(home, "--port", str(port))
+    proc = None
+    try:
+        proc = train(tmp_path, served, steps)
+        run = until(lambda: (r := external_run(served)) and r["step"] >= 5 and r, 240, "the run's step 5")
+        assert run["status"] == "running" and run["host"] == os.uname().nodename and run["ranks"] == 1
+        served.proc.kill()  # SIGKILL: no goodbye; its daemon lives on (its own session) and watches the run
+        served.proc.wait(30)
+        killed_at = time.monotonic()
+        spool = tmp_path / "out"
+        # the run goes on while the dashboard is down: its records pile up in the spool
+        until(lambda: time.monotonic() - killed_at >= 10 and sum(p.stat().st_size for p in spool.glob(
+            "report-spool-*.jsonl")) > 0, 60, "10 s down with records spooled")
+        served = Served(home, "--port", str(port))
+        assert proc.wait(300) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        run = served.client.get(f"/api/v1/runs/{run['id']}").json()
+        assert run["status"] == "completed" and run["step"] == steps
+        with Session(connect(home)) as s:
+            counts = dict(s.execute(select(Metric.step, func.count()).where(
+                Metric.run_id == run["id"], Metric.name == "reward_mean").group_by(Metric.step)).all())
+            kinds = s.scalars(select(Event.kind).where(Event.run_id == run["id"])).all()
+        assert counts == {step: 1 for step in range(steps)}, counts  # every step, once
+        assert "report_failed" in kinds and kinds.count("completed") == 1, kinds  # it was really cut off
+        assert kinds.count("unreachable") >= 1 and kinds.count("reachable") >= 1, kinds
+        assert not list(spool.glob("report-spool-*.jsonl")) or all(
+            p.stat().st_size == 0 for p in spool.glob("report-spool-*.jsonl"))  # everything delivered
+        page = served.client.get(f"/runs/{run['id']}").text
+        assert "external" in page and "completed" in page
+    finally:
+        if proc and proc.poll() is None:
+            proc.kill()
+        served.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MOLT_HEARTBEAT_TIMEOUT", "3")  # its daemon's
+        served = Served(tmp_path_factory.mktemp("home"))
+    yield served
+    served.close()
+
+
+@pytest.mark.slow
+def test_a_stop_from_the_dashboard_checkpoints_and_exits_4(served, tmp_path):
+    proc = train(tmp_path, served, 500)
+    try:
+        run = until(lambda: (r := external_run(served)) and r["step"] >= 2 and r, 240, "the run's step 2")
+        assert served.client.post(f"/api/v1/runs/{run['id']}/stop").json()["status"] == "stopping"
+        assert proc.wait(120) == 4, (tmp_path / "train.log").read_text()[-3000:]
+        run = served.client.get(f"/api/v1/runs/{run['id']}").json()
+        checkpoints = served.client.get(f"/api/v1/runs/{run['id']}/checkpoints").json()
+        assert run["status"] == "stopped" and 2 <= run["step"] < 500
+        assert checkpoints and checkpoints[-1]["step"] == run["step"]  # the stop's own checkpoint, recorded
+        assert Path(checkpoints[-1]["path"]).exists() and checkpoints[-1]["size_bytes"] > 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ingest_tokens_are_scoped_and_a_resent_batch_duplicates_nothing(served):
+    def register(host):
+        response = served.client.post("/api/v1/external-runs", json={
+            "config": {"env": "max_digit"}, "host": host, "pid": 1234, "ranks": 2})
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    first, second = register("node-a"), register("node-b")
+    run_id, token = first["run"]["id"], first["ingest_token"]
+    assert first["run"]["status"] == "running" and first["run"]["ranks"] == 2 and token != second["ingest_token"]
+    batch = [{"t": "metrics", "time": time.time(), "step": s, "values": {"reward_mean": s / 10, "version": s + 1}}
+             for s in range(3)] + [{"t": "event", "time": time.time(), "kind": "saved", "message": "saved step 2",
+                                    "data": {"step": 2}, "uid": "abc:1"}]
+    assert ingest(served.base, run_id, second["ingest_token"], batch).status_code == 403  # another run's token
+    assert ingest(served.base, run_id, "wrong", batch).status_code == 401
+    assert ingest(served.base, run_id, served.token, batch).status_code == 401  # the dashboard's token: not here
+    assert httpx.post(f"{served.base}/api/v1/external-runs", json={"config": {"env": "max_digit"}, "host": "x",
+                                                                   "pid": 1}, timeout=30).status_code == 401
+    assert ingest(served.base, run_id, token, [{"t": "metrics", "step": 0}]).status_code == 422
+    for _ in range(2):
+        reply = ingest(served.base, run_id, token, batch)
+        assert reply.status_code == 200 and reply.json() == {"run_id": run_id, "status": "running", "stop": False,
+                                                             "written": 4}, reply.text
+    series = served.client.get(f"/api/v1/runs/{run_id}/metrics", params={"names": "reward_mean"}).json()["series"]
+    events = served.client.get(f"/api/v1/runs/{run_id}/events").json()
+    assert series["reward_mean"]["step"] == [0, 1, 2]
+    assert [e["kind"] for e in events] == ["external", "saved"]
+    assert served.client.get(f"/api/v1/runs/{second['run']['id']}/metrics").json()["names"] == []
+
+
+def test_a_run_without_heartbeats_is_unreachable_not_failed_and_running_again_when_they_resume(served):
+    registered = served.client.post("/api/v1/external-runs", json={
+        "config": {"env": "max_digit"}, "host": "node-c", "pid": 99}).json()
+    run_id, token = registered["run"]["id"], registered["ingest_token"]
+    until(lambda: served.client.get(f"/api/v1/runs/{run_id}").json()["status"] == "unreachable", 60,
+          "unreachable after the 3 s heartbeat timeout")
+    assert served.client.get(f"/api/v1/runs/{run_id}/attempts").json()[0]["ended_at"] is None  # not ended, not failed
+    assert served.client.get("/api/v1/runs", params={"status": "unreachable"}).json()[0]["id"] == run_id
+    assert ingest(served.base, run_id, token, [], age=0.2).json()["status"] == "running"
+    kinds = [e["kind"] for e in served.client.get(f"/api/v1/runs/{run_id}/events").json()]
+    assert kinds == ["external", "unreachable", "reachable"], kinds
