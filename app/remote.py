@@ -202,17 +202,6 @@ def _print(response) -> int:
     return 0
 
 
-RUNS_COMMANDS = {
-    "create": runs_create,
-    "list": runs_list,
-    "get": lambda client, a: _print(call(client, "GET", f"/api/v1/runs/{a.id}")),
-    "stop": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/stop")),
-    "resume": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/resume")),
-    "wait": lambda client, a: wait_for(client, a, a.id),
-    "metrics": runs_metrics,
-    "eval": evaluate,
-}
-
 
 def evaluate(client, args) -> int:
     """`molt eval`: queue the evaluation; with --wait (or --min), wait for it, print its metrics, check --min."""
@@ -264,3 +253,13 @@ def evaluate(client, args) -> int:
     return EXIT_MISSED if missed else 0
 
 
+RUNS_COMMANDS = {
+    "create": runs_create,
+    "list": runs_list,
+    "get": lambda client, a: _print(call(client, "GET", f"/api/v1/runs/{a.id}")),
+    "stop": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/stop")),
+    "resume": lambda client, a: _print(call(client, "POST", f"/api/v1/runs/{a.id}/resume")),
+    "wait": lambda client, a: wait_for(client, a, a.id),
+    "metrics": runs_metrics,
+    "eval": evaluate,
+}
