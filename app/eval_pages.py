@@ -44,7 +44,8 @@ def evals_page(request: Request, run_id: Annotated[int | None, Query(ge=1)] = No
 
 @router.post("/evals")
 @guarded
-def queue_from_form(request: Request, run_id: Annotated[int, Form()], checkpoint: Annotated[str, Form()] = "best",
+def queue_from_form(request: Request, run_id: Annotated[int | None, Form()] = None,
+                    checkpoint: Annotated[str, Form()] = "best",
                     env: Annotated[str, Form()] = "", episodes: Annotated[int, Form()] = 64,
                     k: Annotated[int, Form()] = 1, temperature: Annotated[float, Form()] = 0.0,
                     csrf_token: Annotated[str | None, Form()] = None):

@@ -151,19 +151,26 @@ def register(request: Request, body: ExternalRunBody):
     return {"run": records_of(request).get_run(run_id), "ingest_token": token}
 
 
+def ingest_owner(request: Request, run_id: RunId,
+                 credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> int:
+    """The run that the bearer's ingest token may write: 401 without a known token, 403 for another run's token.
+    A dependency, so that a refused token is refused before the body is read (not a 422 about the body)."""
+    with Session(records_of(request).engine) as s:
+        owner = s.scalar(select(Run.id).where(Run.ingest_token == digest(credentials.credentials))) \
+            if credentials else None
+    if owner is None:
+        raise HTTPException(401, "missing or unknown ingest token", headers={"WWW-Authenticate": "Bearer"})
+    if owner != run_id:
+        raise HTTPException(403, f"this ingest token may write only run {owner}")
+    return owner
+
+
 @router.post("/runs/{run_id}/ingest", response_model=Ingested, responses=refused)
-def ingest(request: Request, run_id: RunId, body: IngestBody,
-           credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+def ingest(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body: IngestBody):
     """Write a batch of an external run's records, idempotently (metrics per step and name, samples per step,
     alerts and events by their uid): a batch sent again changes nothing. An `end` record gives the run its final
     status. The answer says whether a stop was requested."""
     with Session(records_of(request).engine) as s:
-        owner = s.scalar(select(Run.id).where(Run.ingest_token == digest(credentials.credentials))) \
-            if credentials else None
-        if owner is None:
-            raise HTTPException(401, "missing or unknown ingest token", headers={"WWW-Authenticate": "Bearer"})
-        if owner != run_id:
-            raise HTTPException(403, f"this ingest token may write only run {owner}")
         attempt = s.scalars(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc())).first()
         records, end = [], None
         for r in body.records:
