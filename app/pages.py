@@ -200,8 +200,12 @@ def run_page(request: Request, run_id: int):
     run = get_run_or_404(request, run_id)
     config = run["config"]
     out = request.app.state.records.run_dir(run_id)
+    # The policy's parameter counts, from the engine's device event (each attempt sends one; the newest counts)
+    device = next((e["data"] for e in request.app.state.records.events(run_id)[::-1] if e["kind"] == "device"), {})
+    trainable, total = device.get("trainable"), device.get("parameters")
     overview = {"model": config["model"].get("preset") or config["model"].get("path"),
                 "lora": config["model"].get("lora"), "host": socket.gethostname(),
+                "trainable": f"{trainable:,} of {total:,} ({100 * trainable / total:.1f} %)" if total else None,
                 "ranks": config.get("dist", {}).get("nproc", 1),
                 "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,

@@ -141,9 +141,10 @@ class Training:
                             f"loss {loss:.3f}", steps=self.cfg.warm_start.steps, loss=loss)
             if self.reference is not None:
                 self.reference.load_state_dict(self.model.state_dict())
-        device, dtype = next(self.model.parameters()).device, self.cfg.model.dtype
+        device, dtype, count = next(self.model.parameters()).device, self.cfg.model.dtype, self.model.num_parameters
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-        self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype)
+        self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype,
+                        trainable=count(only_trainable=True), parameters=count())  # the run page shows the share
         self.published = dist.full_weights(self.model)
         # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device. Evals
         # decode on a copy of their own, so that one eval is one policy while training publishes (more memory).
@@ -431,13 +432,12 @@ class Training:
         state = dist.rank_state(checkpoint.load(path, self.model, self.reference))
         dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
-        self.dropped_groups, self.requeued = state["dropped_groups"], state["requeued"]
+        self.dropped_groups, self.requeued, self.best = state["dropped_groups"], state["requeued"], state["best"]
         self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
         self.counts.update(state["counts"])
         self.recent_env_errors.extend(state["recent_env_errors"])
         self.alerts.load_state_dict(state)
         self.breaker.load_state_dict(state["breaker"])
-        self.best = state["best"]
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -15,7 +15,7 @@ import molt_engine.update as update_mod
 from molt_engine import RunConfig, checkpoint, train
 from molt_engine.config import ModelConfig, ValidationError, config_errors
 from molt_engine.models import load_policy
-from app_support import hook, logged_in, web  # noqa: F401 (hook, web: fixtures)
+from app_support import hook, logged_in, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from test_invariants import SMALL, Echo, capture, merging_model_dir, registered, trained_as_sampled  # noqa: F401
 
@@ -186,3 +186,18 @@ def test_the_launch_form_has_a_lora_section_and_the_runs_list_shows_the_rank(web
     assert re.search(r'<span class="lora">LoRA r=16</span>', browser.get("/").text)
     clone = browser.get(f"/runs/new?clone={run['id']}").text
     assert 'name="lora_r" value="16"' in clone and 'value="q_proj, v_proj"' in clone
+
+
+def test_the_run_page_shows_the_trainable_parameters_and_their_share(web):
+    browser, _ = logged_in(web)
+    for lora in ({"r": 8}, None):  # a LoRA run, then a full one (all trainable)
+        config = {**LORA, "model": {"lora": lora}}
+        run = web["records"].create_run(config, name=f"params-{lora}")
+        sink = sink_for(web, run["id"])  # a real attempt: its events' uids are the run's own
+        train(config, sink)
+        sink.close()
+        model, _ = load_policy(ModelConfig(preset="tiny-dense", lora=lora), seed=0)
+        trainable, total = model.get_nb_trainable_parameters() if lora else (model.num_parameters(),) * 2
+        assert trainable < total / 5 if lora else trainable == total
+        shown = re.search(r'id="ov-trainable"[^>]*>([^<]*)<', browser.get(f"/runs/{run['id']}").text)[1]
+        assert shown == f"{trainable:,} of {total:,} ({100 * trainable / total:.1f} %)"
