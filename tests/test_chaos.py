@@ -4,6 +4,7 @@ the ranks of a killed 2-rank worker."""
 import errno
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -119,16 +120,16 @@ def alive(pid: int) -> bool:
 def test_the_soak_puts_a_hang_down_to_the_long_hang_that_followed_a_short_one_on_the_same_worker():
     """The 60-minute soak's one verdict bug: a short hang (6 s) then, 20 s later, a long one (32 s) on the same
     worker; the worker's `hang` (from the long one) was taken for the short one's, within its window."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import chaos
+    chaos = runpy.run_path(str(ROOT / "bench" / "chaos.py"))  # a script, not a package: its functions by name
+    recorded = chaos["recorded"]
     attempts = [(8, "hang", 1040.0)]  # number, cause, ended_at of the attempt whose pid is the worker
     q = lambda sql, *args: attempts  # noqa: E731  (recorded() reads only the attempt rows for hangs)
     short = {"kind": "hang_short", "time": 1000.0, "target": {"run": 11, "worker": 42, "seconds": 6.0}}
     long_ = {"kind": "hang_long", "time": 1020.0, "target": {"run": 11, "worker": 42, "seconds": 32.0}}
-    assert chaos.recorded(q, short, [short, long_]) == "no restart: kept"
-    assert chaos.recorded(q, long_, [short, long_]) == "attempt 8: hang"
+    assert recorded(q, short, [short, long_]) == "no restart: kept"
+    assert recorded(q, long_, [short, long_]) == "attempt 8: hang"
     # alone, the same short hang followed by a `hang` end 40 s later is a worker that did not survive it
-    assert chaos.recorded(q, short, [short]) is None
+    assert recorded(q, short, [short]) is None
 
 
 @pytest.mark.slow
