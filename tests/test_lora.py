@@ -201,3 +201,16 @@ def test_the_run_page_shows_the_trainable_parameters_and_their_share(web):
         assert trainable < total / 5 if lora else trainable == total
         shown = re.search(r'id="ov-trainable"[^>]*>([^<]*)<', browser.get(f"/runs/{run['id']}").text)[1]
         assert shown == f"{trainable:,} of {total:,} ({100 * trainable / total:.1f} %)"
+
+
+def test_micro_batches_accumulate_the_same_lora_update(tmp_path):
+    """`algo.micro_batch_size` with LoRA: gradients accumulated over micro-batches give the adapters (and so the
+    merged final/ model) of one whole batch."""
+    config = {**LORA, "loop": {**SMALL, "steps": 2}}
+    train(config, out_dir=tmp_path / "whole")
+    train({**config, "algo": {**config["algo"], "micro_batch_size": 3}}, out_dir=tmp_path / "micro")
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "whole" / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "micro" / "final").state_dict()
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    base = load_policy(ModelConfig(preset="tiny-dense"), seed=0)[0].state_dict()  # and the adapters moved at all
+    assert max(float((a[k] - base[k]).abs().max()) for k in a if k in base) > 1e-4
