@@ -16,7 +16,7 @@ from sqlmodel import Session
 
 from .records import KEEPER_LOCK, Records
 from .db import DAEMON_HANG_S, add_daemon_event, add_event, hold_lock
-from .models import ACTIVE, Run
+from .models import ACTIVE, DaemonEvent, Run
 from .supervisor import INTERRUPTED
 
 log = logging.getLogger("molt.keeper")
@@ -110,8 +110,12 @@ class Keeper:
             self.proc = None
 
     def ended(self, cause: str):
-        """The daemon we watched is gone: stopped on request (its last event), or down."""
-        if self.records.daemon_status()["stopped"]:
+        """The daemon we watched is gone: stopped on request (its own last word was `stopped`, even if a start has
+        been requested since we last looked: the next check serves that start), or down."""
+        with Session(self.records.engine) as s:
+            last = s.scalar(select(DaemonEvent.kind).where(DaemonEvent.pid == self.pid, DaemonEvent.kind.in_(
+                ("started", "stopped"))).order_by(DaemonEvent.id.desc()).limit(1))
+        if last == "stopped":
             print(f"molt serve: the daemon (pid {self.pid}) was stopped; it stays stopped until `molt daemon start "
                   f"--home {self.records.home}` or the dashboard's Start button", flush=True)
             self.pid, self.up_since = None, None

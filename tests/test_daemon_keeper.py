@@ -232,6 +232,30 @@ def test_a_stopped_daemon_stays_stopped_under_the_keeper_until_molt_daemon_start
             keeper.proc.wait(30)
 
 
+def test_a_start_requested_before_the_keeper_saw_its_stopped_daemon_exit_is_no_crash(tmp_path):
+    """The race a browser test met: `molt daemon stop`, then the dashboard's Start, both between two of the keeper's
+    looks. The daemon said `stopped` before it exited: that exit is a stop, not a `down` (a restart), and the start
+    requested since is served at the next look. The keeper is driven by hand (no thread), so the order is exact."""
+    records = Records(tmp_path)
+    keeper = Keeper(records, [sys.executable, "-m", "daemon", "--home", str(tmp_path), "--poll", "0.2"], poll=0.2)
+    try:
+        keeper.check()  # no daemon yet: it starts one
+        first = wait_until(lambda: (d := records.daemon_status())["running"] and d["pid"], 60, message="a daemon")
+        assert stop_daemon(records, 60, say=lambda _: None)
+        keeper.proc.wait(60)                               # it has exited; the keeper has not looked yet
+        records.request_daemon_start(by="the test")        # the dashboard's Start, before that look
+        keeper.check()                                     # sees the exit: a stop on request
+        assert records.daemon_status()["restarts"] == 0 and keeper.proc is None
+        keeper.check()                                     # serves the start requested
+        second = wait_until(lambda: (d := records.daemon_status())["running"] and d["pid"], 60, message="again")
+        assert second not in (None, first) and keeper.proc is not None and keeper.proc.pid == second
+        assert [e["kind"] for e in records.daemon_events()].count("down") == 0
+    finally:
+        stop_daemon(records, 60, say=lambda _: None)
+        if keeper.proc is not None:
+            keeper.proc.wait(30)
+
+
 def test_molt_daemon_start_without_a_keeper_starts_a_daemon_itself_and_its_help_names_the_real_default(tmp_path):
     records = Records(tmp_path)
     start = subprocess.run(molt("daemon", "start", "--home", str(tmp_path), "--poll", "0.2"), capture_output=True,
