@@ -34,7 +34,7 @@ TASKS = {
     "calculator": CHAT["calculator"],
 }
 # The learning rate each needs: adapters start at zero and move ~10x slower per step at the full model's lr.
-VARIANTS = {"full": (None, {"max_digit": 3e-4, "calculator": 1e-4}),
+VARIANTS = {"full": (None, {"max_digit": 3e-4, "calculator": 3e-4}),
             "lora8": ({"r": 8, "alpha": 16}, {"max_digit": 3e-3, "calculator": 1e-3}),
             "lora32": ({"r": 32, "alpha": 64}, {"max_digit": 3e-3, "calculator": 1e-3})}
 
