@@ -201,7 +201,7 @@ def run_page(request: Request, run_id: int):
     config = run["config"]
     out = request.app.state.records.run_dir(run_id)
     # The policy's parameter counts, from the engine's device event (each attempt sends one; the newest counts)
-    device = next((e["data"] for e in request.app.state.records.events(run_id)[::-1] if e["kind"] == "device"), {})
+    device = ([{}] + [e["data"] for e in request.app.state.records.events(run_id, kind="device")])[-1]
     trainable, total = device.get("trainable"), device.get("parameters")
     overview = {"model": config["model"].get("preset") or config["model"].get("path"),
                 "lora": config["model"].get("lora"), "host": socket.gethostname(),

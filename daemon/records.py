@@ -244,8 +244,9 @@ class Records:
             s.refresh(alert)
             return _dict(alert)
 
-    def events(self, run_id: int, after_id: int | None = None) -> list[dict]:
-        return self._rows(run_id, select(Event).where(Event.run_id == run_id), Event, after_id)
+    def events(self, run_id: int, after_id: int | None = None, kind: str | None = None) -> list[dict]:
+        query = select(Event).where(Event.run_id == run_id, *([Event.kind == kind] if kind else []))
+        return self._rows(run_id, query, Event, after_id)
 
     def attempts(self, run_id: int) -> list[dict]:
         return self._rows(run_id, select(Attempt).where(Attempt.run_id == run_id), Attempt)
