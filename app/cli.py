@@ -30,7 +30,8 @@ def main(argv=None):
     t.add_argument("--seed", type=int)
     t.add_argument("--out", type=Path, help="output directory (default runs/<env>-<time>)")
     t.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out (its saved config is used unless --config)")
+                   help="continue from the latest checkpoint in --out (its saved config is used unless --config; "
+                        "with --report-to, the same dashboard run goes on)")
     t.add_argument("--nproc", type=int, help="processes (data-parallel ranks, started through torchrun); sets "
                                              "dist.nproc")
     t.add_argument("--report-to", metavar="URL", help="a dashboard to report this run to, as an external run")
@@ -245,7 +246,7 @@ def cmd_train(args) -> int:
     if sink and args.report_to:  # delivered by a thread from a spool in `out`: training never waits on the dashboard
         from daemon.sink import HttpSink
         sink = HttpSink(args.report_to, args.token, cfg.model_dump(mode="json"), out, echo=sink,
-                        ranks=int(os.environ.get("WORLD_SIZE", "1")))
+                        ranks=int(os.environ.get("WORLD_SIZE", "1")), resume=args.resume)
     summary = {"status": "failed"}
     try:
         summary = train(cfg, sink, out_dir=out, resume=args.resume)

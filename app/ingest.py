@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlmodel import Session
 
 from daemon.db import add_event, finish_run, set_run
@@ -27,13 +27,24 @@ Text = Annotated[str, Field(max_length=100_000)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
 
-class ExternalRunBody(RunRequest):
-    """A run trained elsewhere that reports here: its config, and where it trains."""
-    model_config = ConfigDict(json_schema_extra={"examples": [
-        {"config": {"env": "max_digit", "loop": {"steps": 60}}, "host": "gpu-node-7", "pid": 4242, "ranks": 1}]})
+class Where(BaseModel):
+    """Where an external run's process trains."""
+    model_config = ConfigDict(strict=True, extra="forbid")
     host: str = Field(min_length=1, max_length=255, pattern=r"\S", description="the machine it trains on")
     pid: int = Field(ge=1, le=2**31, description="its (rank 0) process id there")
     ranks: int = Field(1, ge=1, le=1_000_000, description="its processes (world size)")
+
+
+class ExternalRunBody(RunRequest, Where):
+    """A run trained elsewhere that reports here: its config, and where it trains."""
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"config": {"env": "max_digit", "loop": {"steps": 60}}, "host": "gpu-node-7", "pid": 4242, "ranks": 1}]})
+
+
+class ResumedBody(Where):
+    """The process that resumes an external run (`molt train --resume --report-to`)."""
+    model_config = ConfigDict(json_schema_extra={"examples": [{"host": "gpu-node-7", "pid": 5151, "steps": 120}]})
+    steps: int | None = Field(None, ge=1, le=10**9, description="the steps it trains to, if its config changed them")
 
 
 class Registered(BaseModel):
@@ -190,6 +201,25 @@ def ingest(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body
         s.commit()
         status = s.scalar(select(Run.status).where(Run.id == run_id))
     return {"run_id": run_id, "status": status, "stop": status == "stopping", "written": len(body.records)}
+
+
+@router.post("/runs/{run_id}/attempts", status_code=201, response_model=RunOut, responses=refused)
+def resume(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body: ResumedBody):
+    """A new attempt of an external run whose process was restarted with `--resume`: the same run goes on from its
+    checkpoint, whatever its status (an attempt still open, its process gone, ends as lost)."""
+    t = now()
+    with Session(records_of(request).engine) as s:
+        s.execute(update(Attempt).where(Attempt.run_id == run_id, Attempt.ended_at.is_(None)).values(
+            ended_at=t, cause="lost: another process resumed the run"))
+        number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run_id)) or 0) + 1
+        s.add(Attempt(run_id=run_id, number=number, pid=body.pid, started_at=t, heartbeat_at=t))
+        s.execute(update(Run).where(Run.id == run_id).values(
+            status="running", finished_at=None, pid=body.pid, host=body.host, ranks=body.ranks,
+            **({"total_steps": body.steps} if body.steps else {})))
+        add_event(s, run_id, "attempt", f"attempt {number} started on {body.host} (pid {body.pid}, {body.ranks} "
+                  "rank(s)), resuming", attempt=number, host=body.host, pid=body.pid, ranks=body.ranks)
+        s.commit()
+    return records_of(request).get_run(run_id)
 
 
 def finish(s: Session, run_id: int, attempt: Attempt, end: dict):

@@ -38,7 +38,7 @@ class SpoolSink:
     drain_s = 10.0               # at close, how long the last records may take to be delivered
 
     def __init__(self, name: str, spool_dir: Path | None, spool_prefix: str, flush_every: float = FLUSH_EVERY_S,
-                 keep_samples: int | None = None, spool_cap: int | None = None):
+                 keep_samples: int | None = None, spool_cap: int | None = None, replay: bool = False):
         self.flush_every, self.spool_prefix, self.keep_samples = flush_every, spool_prefix, keep_samples
         self.spool_cap = spool_cap if spool_dir else None  # the spool's size is what is measured
         self.spool_dir = Path(spool_dir) if spool_dir else None
@@ -56,6 +56,14 @@ class SpoolSink:
         self.writer_cpu_s = None
         if self.spool_dir:
             self.spool_dir.mkdir(parents=True, exist_ok=True)
+            leftovers = sorted(self.spool_dir.glob(f"{spool_prefix}-*.jsonl"))  # an earlier sink's, never delivered
+            if leftovers:  # new segments come after them; with `replay` they are delivered first, else left alone
+                self._segment = int(leftovers[-1].stem.rsplit("-", 1)[1]) + 1
+                if replay:
+                    self._pending = [r for path in leftovers for r in read_spool(path)]
+                    self._spooled = sum(path.stat().st_size for path in leftovers)
+                else:
+                    self._committed_upto = self._segment - 1
             self._fd = self._open_segment()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -213,7 +221,9 @@ class HttpSink(SpoolSink):
     """The sink of an external run (`molt train --report-to URL`): each batch is POSTed, in order, to the dashboard's
     ingest endpoint, which writes it with write_records (idempotent: a re-sent batch duplicates nothing). The run is
     registered with the dashboard token on the first delivery, which returns the run-scoped ingest token that every
-    later request carries; until then records wait in the spool, so training never waits on the dashboard. Each
+    later request carries; until then records wait in the spool, so training never waits on the dashboard. With
+    `resume` the run saved in out_dir/report.json gets a new attempt instead, and what an earlier process spooled
+    but never delivered goes first. Each
     reply says whether a stop was requested: then this process gets SIGTERM, as a daemon's worker does, and the
     engine checkpoints and stops. `echo` (the terminal's progress sink) sees every call too."""
     what = "report"
@@ -222,16 +232,21 @@ class HttpSink(SpoolSink):
     chunk = 500           # records per request
 
     def __init__(self, url: str, token: str, config: dict, out_dir: Path, name: str | None = None, ranks: int = 1,
-                 echo=None, flush_every: float = FLUSH_EVERY_S, spool_cap: int = 256 * 2**20):
+                 echo=None, flush_every: float = FLUSH_EVERY_S, spool_cap: int = 256 * 2**20, resume: bool = False):
         import httpx
         self.url, self.token, self.echo, self.ranks = url.rstrip("/"), token, echo, ranks
         self.config, self.name = config, name
-        self.run_id = self.ingest_token = None
+        # The registration, kept beside the checkpoints: `--resume` reports to the same run, as its next attempt
+        self.saved = Path(out_dir) / "report.json"
+        previous = json.loads(self.saved.read_text()) if resume and self.saved.exists() else {}
+        same = previous.get("url") == self.url
+        self.run_id, self.ingest_token = (previous["run_id"], previous["ingest_token"]) if same else (None, None)
+        self.attached = False
         self.session = uuid.uuid4().hex[:12]  # alert and event uids: "session:seq", unique per run
         self.stop_requested = False
         self.client = httpx.Client(timeout=10)
         super().__init__("molt-report", out_dir, "report-spool", flush_every,
-                         (config.get("record") or {}).get("keep_steps"), spool_cap)
+                         (config.get("record") or {}).get("keep_steps"), spool_cap, replay=resume)
 
     def metrics(self, step, values):
         super().metrics(step, values)
@@ -271,12 +286,20 @@ class HttpSink(SpoolSink):
         return response.json()
 
     def _deliver(self, batch: list[dict], beat: float | None):
+        where = {"host": socket.gethostname(), "pid": os.getpid(), "ranks": self.ranks}
         if self.run_id is None:
-            registered = self._post("/api/v1/external-runs", self.token, {
-                "name": self.name, "config": self.config, "host": socket.gethostname(), "pid": os.getpid(),
-                "ranks": self.ranks})
+            registered = self._post("/api/v1/external-runs", self.token,
+                                    {"name": self.name, "config": self.config, **where})
             self.run_id, self.ingest_token = registered["run"]["id"], registered["ingest_token"]
+            fd = os.open(self.saved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a credential
+            with os.fdopen(fd, "w") as f:
+                json.dump({"url": self.url, "run_id": self.run_id, "ingest_token": self.ingest_token}, f)
             print(f"molt: reporting to {self.url}/runs/{self.run_id}", file=sys.stderr, flush=True)
+        elif not self.attached:
+            self._post(f"/api/v1/runs/{self.run_id}/attempts", self.ingest_token,
+                       {**where, "steps": (self.config.get("loop") or {}).get("steps")})
+            print(f"molt: resuming {self.url}/runs/{self.run_id}", file=sys.stderr, flush=True)
+        self.attached = True
         age = None if beat is None else max(0.0, time.time() - beat)
         for i in range(0, max(1, len(batch)), self.chunk):
             reply = self._post(f"/api/v1/runs/{self.run_id}/ingest", self.ingest_token,
@@ -374,17 +397,22 @@ def replay_spools(engine: Engine, run_id: int, directory: Path) -> int:
     count = 0
     for path in sorted(Path(directory).glob("spool-*.jsonl")):
         attempt_id = int(path.name.split("-")[1])
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # a line torn by a crash of the machine (a killed process never tears one)
-                continue
+        records = read_spool(path)
         with engine.begin() as conn:
             write_records(conn, run_id, attempt_id, records)
         path.unlink()
         count += len(records)
     return count
+
+
+def read_spool(path: Path) -> list[dict]:
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line torn by a crash of the machine (a killed process never tears one)
+            continue
+    return records
 
 
 def _floats(values: dict) -> dict[str, float]:

@@ -28,13 +28,16 @@ def until(condition, timeout: float, what: str, poll: float = 0.1):
     return value
 
 
-def train(tmp_path: Path, served: Served, steps: int, token: str | None = None) -> subprocess.Popen:
-    """`molt train --report-to` as a user runs it, in its own output directory; output to a file."""
+def train(tmp_path: Path, served: Served, steps: int, token: str | None = None, resume: bool = False
+          ) -> subprocess.Popen:
+    """`molt train --report-to` as a user runs it, in its own output directory; output to a file. `resume`: the
+    same command with `--resume --steps` on the same directory."""
     (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "loop": {**CONFIG["loop"], "steps": steps}}))
-    log = open(tmp_path / "train.log", "w")
+    log = open(tmp_path / "train.log", "a")
     env = {**child_env(tmp_path / "unused-home"), "MOLT_TOKEN": token or served.token}
-    return subprocess.Popen(molt("train", "--config", str(tmp_path / "config.json"), "--out", str(tmp_path / "out"),
-                                 "--report-to", served.base), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    how = ["--resume", "--steps", str(steps)] if resume else ["--config", str(tmp_path / "config.json")]
+    return subprocess.Popen(molt("train", *how, "--out", str(tmp_path / "out"), "--report-to", served.base),
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
 
 
 def external_run(served: Served) -> dict | None:
@@ -95,7 +98,7 @@ def served(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_stop_from_the_dashboard_checkpoints_and_exits_4(served, tmp_path):
+def test_a_stop_from_the_dashboard_checkpoints_and_exits_4_and_resume_goes_on_in_the_same_run(served, tmp_path):
     proc = train(tmp_path, served, 500)
     try:
         run = until(lambda: (r := external_run(served)) and r["step"] >= 2 and r, 240, "the run's step 2")
@@ -106,6 +109,26 @@ def test_a_stop_from_the_dashboard_checkpoints_and_exits_4(served, tmp_path):
         assert run["status"] == "stopped" and 2 <= run["step"] < 500
         assert checkpoints and checkpoints[-1]["step"] == run["step"]  # the stop's own checkpoint, recorded
         assert Path(checkpoints[-1]["path"]).exists() and checkpoints[-1]["size_bytes"] > 0
+
+        # What a process killed before delivering left in its spool (the sink's own file format), then --resume:
+        # the same run goes on as attempt 2, and the leftover is delivered first, once
+        leftover = {"t": "event", "time": time.time(), "kind": "left_over", "message": "never delivered", "data": {},
+                    "uid": "killed:1"}
+        (tmp_path / "out" / "report-spool-000007.jsonl").write_text(json.dumps(leftover) + "\n")
+        runs_before, steps = len(served.client.get("/api/v1/runs").json()), run["step"] + 3
+        proc = train(tmp_path, served, steps, resume=True)
+        assert proc.wait(300) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        run = served.client.get(f"/api/v1/runs/{run['id']}").json()
+        attempts = served.client.get(f"/api/v1/runs/{run['id']}/attempts").json()
+        kinds = [e["kind"] for e in served.client.get(f"/api/v1/runs/{run['id']}/events").json()]
+        series = served.client.get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "reward_mean"}).json()
+        assert len(served.client.get("/api/v1/runs").json()) == runs_before  # no second run registered
+        assert run["status"] == "completed" and run["step"] == steps and run["total_steps"] == steps
+        assert [(a["number"], a["outcome"]) for a in attempts] == [(1, "stopped"), (2, "completed")], attempts
+        assert kinds.count("attempt") == 1 and kinds.count("left_over") == 1, kinds
+        assert series["series"]["reward_mean"]["step"] == list(range(steps))  # every step, once
+        assert not [p for p in (tmp_path / "out").glob("report-spool-*.jsonl") if p.stat().st_size]
+        assert oct((tmp_path / "out" / "report.json").stat().st_mode & 0o777) == "0o600"  # it holds a credential
     finally:
         if proc.poll() is None:
             proc.kill()
