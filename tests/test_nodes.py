@@ -34,13 +34,14 @@ def start_nodes(tmp, outs, *extra) -> list[tuple[subprocess.Popen, object]]:
 
 
 def finish(nodes) -> list[tuple[int, str]]:
-    """Each node's exit status and output."""
-    results = []
-    for proc, log in nodes:
-        try:
-            code = proc.wait(300)
-        finally:
+    """Each node's exit status and output (a node still running after 5 minutes is killed: its ranks go with it)."""
+    try:
+        codes = [proc.wait(300) for proc, _ in nodes]
+    finally:
+        for proc, _ in nodes:
             proc.kill()
+    results = []
+    for code, (_, log) in zip(codes, nodes):
         log.seek(0)
         results.append((code, log.read()))
         log.close()
