@@ -26,6 +26,8 @@ def init(cfg):
     # A rank never outlives its launcher: when the daemon SIGKILLs the launcher, every rank goes with it.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    # Several nodes: LOCAL_RANK is the rank's index on its own node (its GPU), RANK and WORLD_SIZE span every node
+    # (the prompt split, who reports and writes checkpoints)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local < torch.cuda.device_count():  # this rank's GPU, for NCCL and torch.cuda's calls (see models.device_of)
         torch.cuda.set_device(local)
