@@ -28,12 +28,20 @@ def main(argv=None):
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--max-staleness", type=int, help="policy versions a sample may lag; 0 = on-policy")
     t.add_argument("--seed", type=int)
-    t.add_argument("--out", type=Path, help="output directory (default runs/<env>-<time>)")
+    t.add_argument("--out", type=Path, help="output directory (default runs/<env>-<time>); with --nnodes the same "
+                                            "directory on every node, on storage they all see (config, checkpoints)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --out (its saved config is used unless --config; "
                         "with --report-to, the same dashboard run goes on)")
     t.add_argument("--nproc", type=int, help="processes (data-parallel ranks, started through torchrun); sets "
                                              "dist.nproc")
+    t.add_argument("--nnodes", type=int, help="machines of a multi-node run started by hand: run this command on "
+                                              "each, with its --node-rank and the same --rdzv-endpoint and --out "
+                                              "(shared storage); --nproc ranks per node, all in one data-parallel run")
+    t.add_argument("--node-rank", type=int, help="this machine's index, 0 to nnodes-1; node 0 holds rank 0, which "
+                                                 "writes the config, checkpoints and final policy, and reports")
+    t.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
+                   help="node 0's address and a free port there, where the nodes meet (the same on every node)")
     t.add_argument("--report-to", metavar="URL", help="a dashboard to report this run to, as an external run")
     t.add_argument("--token", default=os.environ.get("MOLT_TOKEN"), help="its token (default $MOLT_TOKEN)")
     envs_option(t)
@@ -67,6 +75,14 @@ def main(argv=None):
         sys.exit(__import__("daemon").cli_main(argv[1:]))
     args = parser.parse_args(argv)
     sys.exit(args.func(args))
+
+
+def endpoint(text: str) -> str:
+    """--rdzv-endpoint: HOST:PORT (argparse names the flag in its error)."""
+    host, _, port = text.rpartition(":")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, e.g. node0.example:29500")
+    return text
 
 
 def envs_option(p):
@@ -197,13 +213,27 @@ def cmd_train(args) -> int:
 
     hf_logging.disable_progress_bar()
     use_envs(args.envs, "molt train")
-    if args.report_to and not args.token:
-        print("--report-to needs the dashboard's token: --token or $MOLT_TOKEN", file=sys.stderr)
-        return 2
-    if args.resume and not args.out:
-        print("--resume needs --out, the directory of the run to continue", file=sys.stderr)
-        return 2
+    nodes = args.nnodes
+    for wrong, message in [
+            (args.report_to and not args.token, "--report-to needs the dashboard's token: --token or $MOLT_TOKEN"),
+            (args.resume and not args.out, "--resume needs --out, the directory of the run to continue"),
+            (nodes is None and (args.node_rank is not None or args.rdzv_endpoint),
+             "--node-rank and --rdzv-endpoint need --nnodes, the number of machines"),
+            (nodes is not None and nodes < 1, f"--nnodes must be at least 1, not {nodes}"),
+            (nodes and (args.node_rank is None or not args.rdzv_endpoint),
+             "--nnodes needs --node-rank (this machine's index) and --rdzv-endpoint (node 0's HOST:PORT)"),
+            (nodes and not 0 <= (args.node_rank or 0) < nodes,
+             f"--node-rank must be 0 to {(nodes or 1) - 1} with --nnodes {nodes}, not {args.node_rank}"),
+            (nodes and not args.out, "--nnodes needs --out: the same directory on every node, on storage they all "
+                                     "see (each node's default would differ)")]:
+        if wrong:
+            print(f"molt train: {message}", file=sys.stderr)
+            return 2
     saved = args.out / "config.json" if args.out else None
+    if "LOCAL_RANK" in os.environ and args.config == saved and not saved.exists():  # node 0 wrote it (our launch)
+        print(f"molt train: {args.config} is missing on this node: every node must see --out (shared storage)",
+              file=sys.stderr)
+        return 2
     if args.config:
         config = read_json(args.config)
     elif args.resume and saved.exists():
@@ -225,16 +255,31 @@ def cmd_train(args) -> int:
     except ValidationError as e:
         print("invalid config:\n  " + "\n  ".join(config_errors(e)), file=sys.stderr)
         return 2
+    ranks = (nodes or 1) * cfg.dist.nproc
+    share = cfg.loop.groups_per_step // ranks
+    if cfg.loop.groups_per_step % ranks or cfg.algo.minibatches > share:  # one node: the config checked it already
+        print(f"molt train: --nnodes {nodes} x dist.nproc {cfg.dist.nproc} = {ranks} ranks: loop.groups_per_step "
+              f"({cfg.loop.groups_per_step}) must split evenly over them, into at least algo.minibatches "
+              f"({cfg.algo.minibatches}) groups per rank", file=sys.stderr)
+        return 2
     out = args.out or Path("runs") / f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", "0"))  # set by torchrun in each process it starts
-    if rank == 0:
-        (out / "config.json").write_text(cfg.model_dump_json(indent=1))
-    if cfg.dist.nproc > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start them, each runs this command
+    # torchrun sets RANK in each process it starts; a launcher stands for its node's first rank
+    rank = int(os.environ.get("RANK", (args.node_rank or 0) * cfg.dist.nproc))
+    if rank == 0:  # whole or not at all: every rank, on every node, reads it as it starts
+        (out / f".config.json.{os.getpid()}").write_text(cfg.model_dump_json(indent=1))
+        os.replace(out / f".config.json.{os.getpid()}", out / "config.json")
+    if ranks > 1 and "LOCAL_RANK" not in os.environ:  # not a rank yet: start them, each runs this command
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import main as torchrun
+        # Several nodes: torchrun's static rendezvous, not c10d, because the node rank is given: node 0 is the one
+        # that hosts the rendezvous store at the endpoint and holds global rank 0 (config, checkpoints, reports),
+        # where c10d would number the nodes in the order they arrive. Nodes are not replaced mid-run either way.
+        where = ["--standalone"] if not nodes else [f"--nnodes={nodes}", f"--node-rank={args.node_rank}",
+                                                   "--rdzv-backend=static", f"--rdzv-endpoint={args.rdzv_endpoint}"]
         try:
-            torchrun(["--standalone", f"--nproc-per-node={cfg.dist.nproc}", "-m", "app.cli", "train",
+            # The ranks of every node read the config node 0 wrote (before its rendezvous, so before any rank starts)
+            torchrun([*where, f"--nproc-per-node={cfg.dist.nproc}", "-m", "app.cli", "train",
                       "--config", str(out / "config.json"), "--out", str(out)] + ["--resume"] * args.resume
                      + ["--report-to", args.report_to, "--token", args.token] * bool(args.report_to))
         except ChildFailedError as e:

@@ -26,6 +26,8 @@ def init(cfg):
     # A rank never outlives its launcher: when the daemon SIGKILLs the launcher, every rank goes with it.
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
     nccl = cfg.backend == "nccl" or (cfg.backend == "auto" and torch.cuda.is_available())
+    # Several nodes: LOCAL_RANK is the rank's index on its own node (its GPU), RANK and WORLD_SIZE span every node
+    # (the prompt split, who reports and writes checkpoints)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local < torch.cuda.device_count():  # this rank's GPU, for NCCL and torch.cuda's calls (see models.device_of)
         torch.cuda.set_device(local)
@@ -61,9 +63,7 @@ def world() -> int:
 
 
 def local_config(cfg):
-    """This rank's loop: its share of each batch (groups_per_step) and of the rollout workers."""
-    if world() == 1:
-        return cfg
+    """This rank's loop: its share of each batch (groups_per_step) and of the rollout workers (all: one process)."""
     loop = cfg.loop.model_copy(update={"groups_per_step": cfg.loop.groups_per_step // world(),
                                        "workers": cfg.loop.workers and -(-cfg.loop.workers // world())})
     return cfg.model_copy(update={"loop": loop})
@@ -100,9 +100,8 @@ def wrap(model, optimizer, cfg):
 
 def full_weights(model) -> dict:
     """A copy of the full weights (gathered from every rank's shard with FSDP2: a collective)."""
-    if world() == 1:
-        return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+    weights = model.state_dict() if world() == 1 else get_model_state_dict(model, options=FULL)
+    return {k: v.detach().clone() for k, v in weights.items()}
 
 
 def load_weights(model, weights: dict):
@@ -115,9 +114,8 @@ def load_weights(model, weights: dict):
 def optimizer_state(model, optimizer) -> dict:
     """The optimizer's state as a checkpoint keeps it: whole on every rank (gathered with FSDP2). Before its first
     step, as it is: the gather would give it a phantom step (see wrap)."""
-    if world() == 1 or not optimizer.state:
-        return optimizer.state_dict()
-    return get_optimizer_state_dict(model, optimizer, options=FULL)
+    whole = world() == 1 or not optimizer.state
+    return optimizer.state_dict() if whole else get_optimizer_state_dict(model, optimizer, options=FULL)
 
 
 def load_optimizer_state(model, optimizer, state: dict):
@@ -187,6 +185,14 @@ def gather_ranks(state: dict) -> dict:
     states = [None] * world() if rank() == 0 else None
     td.gather_object(state, states, dst=0)
     return {**state, "ranks": states} if rank() == 0 else state
+
+
+def agreed(path):
+    """The checkpoint every rank resumes from, the same one: each reads it from the run's directory, where rank 0
+    wrote it, so every node must see that directory (shared storage)."""
+    if len(seen := set(all_gather(path and path.name))) > 1:
+        raise RuntimeError(f"the ranks see different checkpoints {seen}: every node must see the run's directory")
+    return path
 
 
 def rank_state(state: dict) -> dict:

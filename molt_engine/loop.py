@@ -122,7 +122,7 @@ class Training:
 
     async def prepare(self, resume: bool):
         """Restore the latest checkpoint, or start fresh (warm start, reference policy); then make the samplers."""
-        found = checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None
+        found = dist.agreed(checkpoint.latest(self.ckpt_dir) if resume and self.ckpt_dir else None)
         if not found:  # a fresh run's first event: which defaults it got (config.py, _run_defaults)
             profile, a, w = "checkpoint" if self.cfg.model.path else "preset", self.cfg.algo, self.cfg.warm_start
             self.sink.event("defaults", f"{profile} defaults where the config sets none: algo.lr {a.lr:g}, clip "
