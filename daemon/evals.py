@@ -169,10 +169,12 @@ def stop_eval(engine, eval_id: int) -> bool:
 @dataclass
 class EvalWorker:
     pid: int
+    started: float                  # when started (or adopted): the first heartbeat is due FIRST_BEAT_S after
     proc: subprocess.Popen | None   # None: adopted from an earlier daemon
     log: IO | None = None
     gpus: tuple[str, ...] = ()
     term: bool = False
+    hang: str | None = None         # why it was SIGKILLed as hung
 
 
 class EvalWorkers:
@@ -187,23 +189,31 @@ class EvalWorkers:
         return {g for w in self.workers.values() for g in w.gpus}
 
     def tick(self):
+        from .supervisor import FIRST_BEAT_S  # here, not above: the supervisor imports this module
         engine = self.sup.engine
         with Session(engine) as s:
             for eval_id, w in list(self.workers.items()):
                 status = s.scalar(select(Evaluation.status).where(Evaluation.id == eval_id))
                 alive = w.proc.poll() is None if w.proc else lock_holder(eval_dir(self.sup.home, eval_id)
                                                                          / "worker.lock") is not None
-                if alive and status == "stopping" and not w.term:
+                if not alive:
+                    self.ended(s, eval_id, w.proc.returncode if w.proc else None)
+                    continue
+                beat = heartbeat_at(self.sup.home, eval_id)
+                age = now() - max(beat or 0.0, w.started)
+                limit = self.sup.heartbeat_timeout if beat else max(self.sup.heartbeat_timeout, FIRST_BEAT_S)
+                if w.hang is None and age > limit:  # stopping or not: a hung worker would never end on SIGTERM
+                    w.hang = f"hang: no heartbeat for {age:.0f}s" if beat else f"hang: no first heartbeat in {age:.0f}s"
+                    _kill(w.pid, signal.SIGKILL)
+                elif status == "stopping" and not w.term:
                     _kill(w.pid, signal.SIGTERM)
                     w.term = True
-                elif not alive:
-                    self.ended(s, eval_id, w.proc.returncode if w.proc else None)
             for e in s.scalars(select(Evaluation).where(Evaluation.status.in_(LIVE),
                                                         Evaluation.id.not_in(list(self.workers)))).all():
                 holder = lock_holder(eval_dir(self.sup.home, e.id) / "worker.lock")
                 if holder and holder.isdigit():
                     gpus = tuple(filter(None, (e.gpus or "").split(",")))
-                    self.workers[e.id] = EvalWorker(int(holder), None, gpus=gpus)
+                    self.workers[e.id] = EvalWorker(int(holder), now(), None, gpus=gpus)
                 elif holder is None:  # its worker died with the last daemon: not its own failure
                     status = "stopped" if e.status == "stopping" else "restarting"
                     s.execute(update(Evaluation).where(Evaluation.id == e.id).values(status=status, pid=None))
@@ -224,18 +234,17 @@ class EvalWorkers:
         if w.log:
             w.log.close()
         e = s.get(Evaluation, eval_id, populate_existing=True)
-        cause = (f"killed by {signal.Signals(-rc).name}" if rc and rc < 0 else f"exit code {rc}" if rc is not None
-                 else "gone (adopted: exit status unknown)")
+        cause = w.hang or ("gone (adopted: exit status unknown)" if rc is None else
+                           f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+        error = e.last_error if rc == 1 else f"worker {cause}"  # 1: it recorded its error
         if e.status == "stopping":
             values = {"status": "stopped", "finished_at": now()}
         elif e.status in ENDED:
             return
         elif e.restarts < e.max_restarts:
-            values = {"status": "restarting", "restarts": e.restarts + 1,
-                      "last_error": e.last_error if rc == 1 else f"worker {cause}"}  # 1: it recorded its error
+            values = {"status": "restarting", "restarts": e.restarts + 1, "last_error": error}
         else:
-            values = {"status": "failed", "finished_at": now(),
-                      "last_error": e.last_error if rc == 1 else f"worker {cause}"}
+            values = {"status": "failed", "finished_at": now(), "last_error": error}
         s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status == e.status)
                   .values(pid=None, **values))
         s.commit()
@@ -249,6 +258,7 @@ class EvalWorkers:
         directory = eval_dir(self.sup.home, e.id)
         directory.mkdir(parents=True, exist_ok=True)
         log = open(directory / "worker.log", "ab")
+        (directory / "heartbeat").unlink(missing_ok=True)  # the last worker's: this one's first beat is still due
         root = str(Path(__file__).resolve().parent.parent)
         env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
@@ -258,7 +268,7 @@ class EvalWorkers:
                                 start_new_session=True)
         s.execute(update(Evaluation).where(Evaluation.id == e.id).values(pid=proc.pid))
         s.commit()
-        self.workers[e.id] = EvalWorker(proc.pid, proc, log, tuple(gpus))
+        self.workers[e.id] = EvalWorker(proc.pid, now(), proc, log, tuple(gpus))
 
 
 def _kill(pid: int, sig: int):
@@ -270,6 +280,14 @@ def _kill(pid: int, sig: int):
 
 def eval_dir(home: Path, eval_id: int) -> Path:
     return home / "evals" / str(eval_id)
+
+
+def heartbeat_at(home: Path, eval_id: int) -> float | None:
+    """When the evaluation's worker last beat (its heartbeat file's mtime); None before its first beat."""
+    try:
+        return (eval_dir(home, eval_id) / "heartbeat").stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 # ---- the worker -----------------------------------------------------------------------------------------------------
@@ -289,7 +307,7 @@ def main(argv=None) -> int:
         return 75
     engine = connect(home, migrate=False)
     try:
-        asyncio.run(evaluate(engine, args.eval_id))
+        asyncio.run(evaluate(engine, args.eval_id, directory / "heartbeat"))
         return 0
     except Exception as e:
         traceback.print_exc()
@@ -302,7 +320,7 @@ def main(argv=None) -> int:
         lock.close()
 
 
-async def evaluate(engine, eval_id: int):
+async def evaluate(engine, eval_id: int, heartbeat: Path):
     from molt_engine.chat import stop_ids
     from molt_engine.envs import EVAL_SEEDS
     from molt_engine.models import load_policy
@@ -345,10 +363,16 @@ async def evaluate(engine, eval_id: int):
                     tokens=r["tokens"], images=r["images"]).on_conflict_do_nothing())
             s.commit()
 
+    async def beat():  # from the event loop itself, as a run's worker beats: a blocked loop stops it
+        while True:
+            heartbeat.touch()
+            await asyncio.sleep(1.0)
+
     async with asyncio.TaskGroup() as tg:
-        decoding = tg.create_task(sampler.run())
+        tasks = [tg.create_task(sampler.run()), tg.create_task(beat())]
         await asyncio.gather(*(one(i) for i in range(c["episodes"]) if str(i) not in results))
-        decoding.cancel()
+        for task in tasks:
+            task.cancel()
     with Session(engine) as s:
         s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status.in_(LIVE)).values(
             status="completed", metrics=eval_summary(results, k), finished_at=now(), pid=None))
