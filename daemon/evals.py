@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import IO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import func, select, update
+from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.dialects.sqlite import insert
+from sqlalchemy.pool import NullPool
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
@@ -282,6 +283,14 @@ def eval_dir(home: Path, eval_id: int) -> Path:
     return home / "evals" / str(eval_id)
 
 
+def samples_db(directory: Path):
+    """Where the episodes of a model section's evaluation are recorded, as no run holds them: the records' sample
+    table (run_id 0) in a database of its own in the evaluation's directory."""
+    engine = create_engine(f"sqlite:///{directory / 'samples.db'}", poolclass=NullPool, connect_args={"timeout": 30})
+    Sample.__table__.create(engine, checkfirst=True)
+    return engine
+
+
 def heartbeat_at(home: Path, eval_id: int) -> float | None:
     """When the evaluation's worker last beat (its heartbeat file's mtime); None before its first beat."""
     try:
@@ -307,7 +316,7 @@ def main(argv=None) -> int:
         return 75
     engine = connect(home, migrate=False)
     try:
-        asyncio.run(evaluate(engine, args.eval_id, directory / "heartbeat"))
+        asyncio.run(evaluate(engine, args.eval_id, directory))
         return 0
     except Exception as e:
         traceback.print_exc()
@@ -320,7 +329,7 @@ def main(argv=None) -> int:
         lock.close()
 
 
-async def evaluate(engine, eval_id: int, heartbeat: Path):
+async def evaluate(engine, eval_id: int, directory: Path):
     from molt_engine.chat import stop_ids
     from molt_engine.envs import EVAL_SEEDS
     from molt_engine.models import load_policy
@@ -340,6 +349,7 @@ async def evaluate(engine, eval_id: int, heartbeat: Path):
     sampler = Sampler(model.to(getattr(torch, cfg.model.dtype)), stop_ids=stops, pad_id=tokenizer.pad_token_id,
                       temperature=c["temperature"] or 1.0)
     k, gate = c["k"], asyncio.Semaphore(CONCURRENT_EPISODES)
+    own = samples_db(directory) if run_id is None else None  # a model section's episodes: no run holds them
     print(f"molt eval worker: evaluation {eval_id}, {len(results)} of {c['episodes']} episodes already recorded",
           flush=True)
 
@@ -352,20 +362,26 @@ async def evaluate(engine, eval_id: int, heartbeat: Path):
             except Exception as error:  # an env that fails counts as a failed episode, with its error
                 ep, result = None, [0.0, False, {}, f"{type(error).__name__}: {error}"[:500]]
         results[str(position)] = result
-        with Session(engine) as s:  # the episode and its sample in one commit: a kill records it whole or not at all
+        row = None
+        if ep is not None:
+            r = record(ep, processor, 0)
+            row = insert(Sample).values(
+                run_id=run_id or 0, step=eval_id, kind="evaluation", position=position, group_id=prompt,
+                seed=r["seed"], version=0, reward=r["reward"], success=r["success"], turns=r["turns"],
+                tool_calls=r["tool_calls"], tool_errors=r["tool_errors"], prompt=r["prompt"], text=r["text"],
+                tokens=r["tokens"], images=r["images"])
+        if row is not None and own is not None:  # before its result: one killed in between is run again, replacing it
+            with own.begin() as conn:
+                conn.execute(row.prefix_with("OR REPLACE"))
+        with Session(engine) as s:  # the result and a run's sample in one commit: a kill records both or neither
             s.execute(update(Evaluation).where(Evaluation.id == eval_id).values(results=dict(results)))
-            if ep is not None and run_id is not None:
-                r = record(ep, processor, 0)
-                s.execute(insert(Sample).values(
-                    run_id=run_id, step=eval_id, kind="evaluation", position=position, group_id=prompt,
-                    seed=r["seed"], version=0, reward=r["reward"], success=r["success"], turns=r["turns"],
-                    tool_calls=r["tool_calls"], tool_errors=r["tool_errors"], prompt=r["prompt"], text=r["text"],
-                    tokens=r["tokens"], images=r["images"]).on_conflict_do_nothing())
+            if row is not None and own is None:
+                s.execute(row.on_conflict_do_nothing())
             s.commit()
 
     async def beat():  # from the event loop itself, as a run's worker beats: a blocked loop stops it
         while True:
-            heartbeat.touch()
+            (directory / "heartbeat").touch()
             await asyncio.sleep(1.0)
 
     async with asyncio.TaskGroup() as tg:

@@ -318,3 +318,45 @@ def test_a_running_eval_is_adopted_by_a_new_daemon_after_a_sigkill(policy):
     assert final["status"] == "completed" and final["restarts"] == 0, final
     assert log.count("episodes already recorded") == 1, "adopted, never started again"
     assert final["metrics"]["episodes"] == 256 and recorded(records, eval_id) == list(range(256))
+
+
+def test_a_model_sections_evaluation_records_its_episodes_and_the_samples_view_opens_on_them(policy):
+    import httpx
+
+    from app_support import web_thread
+    records, run_id = policy
+    request = EvalRequest(model={"preset": "tiny-dense"}, env="max_digit", episodes=16, k=4, temperature=1.0)
+    model_eval = queue_eval(records.engine, records.home, request)["id"]
+    run_eval = queue(records, run_id, episodes=8, k=2)
+    daemon = start_daemon(records.home)
+    try:
+        finals = [ended(records, model_eval), ended(records, run_eval)]
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert [f["status"] for f in finals] == ["completed", "completed"], finals
+    with Session(records.engine) as s:
+        from daemon.models import Evaluation
+        passes = sum(r[1] for r in s.get(Evaluation, model_eval).results.values())
+    with web_thread(records.home, "t0ken") as (base, _), \
+            httpx.Client(base_url=base, headers={"Authorization": "Bearer t0ken"}) as client:
+        api = f"/api/v1/evals/{model_eval}"
+        page = client.get(f"{api}/samples", params={"limit": 500, "order": "newest"}).json()
+        assert page["total"] == 16 and sorted(s["position"] for s in page["samples"]) == list(range(16))
+        assert all((s["run_id"], s["kind"], s["step"]) == (0, "evaluation", model_eval) for s in page["samples"])
+        assert all(s["tokens"] and s["prompt"] for s in page["samples"])
+        assert client.get(f"{api}/samples", params={"passed": True}).json()["total"] == passes  # the filters apply
+        first = client.get(f"{api}/samples", params={"limit": 10}).json()
+        rest = client.get(f"{api}/samples", params={"limit": 10, "cursor": first["next_cursor"]}).json()
+        assert len(first["samples"]) + len(rest["samples"]) == 16 and rest["next_cursor"] is None
+        assert client.get(f"{api}/samples/steps").json() == [{"step": model_eval, "kind": "evaluation", "count": 16}]
+        assert len(client.get(f"{api}/samples.jsonl").text.splitlines()) == 16
+        assert client.get("/api/v1/evals/999/samples").status_code == 404
+        # the samples view: a model section's on its own API, a run's evaluation on its run's samples at its step
+        view = client.get(f"/evals/{model_eval}/samples")
+        assert view.status_code == 200 and f'"api": "{api}"' in view.text and f"evaluation #{model_eval}" in view.text
+        moved = client.get(f"/evals/{run_eval}/samples", follow_redirects=False)
+        assert moved.headers["location"] == f"/runs/{run_id}/samples?kind=evaluation&step={run_eval}"
+        assert client.get(f"/api/v1/evals/{run_eval}/samples").json()["total"] == 8
+        listing = client.get("/evals").text
+        assert f'href="/evals/{model_eval}/samples"' in listing and f'href="/evals/{run_eval}/samples"' in listing
