@@ -97,7 +97,7 @@ def stop_eval(request: Request, eval_id: EvalId):
 @router.get("/evals/{eval_id}/samples", response_model=SamplesOut, responses=with_eval, tags=["samples"])
 def eval_samples(request: Request, eval_id: EvalId, filters: Annotated[dict, Depends(sample_filters)],
                  limit: Annotated[int, Query(ge=1, le=500)] = 50,
-                 cursor: Annotated[int | None, Query(ge=0, le=2**62, description="next_cursor of the last page")] = None,
+                 cursor: Annotated[int | None, Query(ge=0, le=2**62, description="the last page's next_cursor")] = None,
                  order: Literal["oldest", "newest"] = "oldest"):
     """The evaluation's recorded episodes, filtered and paged as a run's samples are (its step is the evaluation's
     id, its kind `evaluation`). Those of a model section, which no run holds, have run_id 0."""

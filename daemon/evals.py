@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
@@ -24,7 +25,7 @@ from .models import ACTIVE, Evaluation, Run, Sample, now
 
 LIVE = ("running", "restarting", "stopping")    # a slot is taken: a worker lives or is about to
 ENDED = ("completed", "failed", "stopped")
-CONCURRENT_EPISODES = 16   # in flight at once: a killed worker loses at most these, the rest are recorded
+CONCURRENT_EPISODES = 64   # in flight at once: a kill loses at most these (16: half the episodes/s, bench/evals.py)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -348,10 +349,31 @@ async def evaluate(engine, eval_id: int, directory: Path):
     import torch
     sampler = Sampler(model.to(getattr(torch, cfg.model.dtype)), stop_ids=stops, pad_id=tokenizer.pad_token_id,
                       temperature=c["temperature"] or 1.0)
-    k, gate = c["k"], asyncio.Semaphore(CONCURRENT_EPISODES)
+    k, gate, writer = c["k"], asyncio.Semaphore(CONCURRENT_EPISODES), ThreadPoolExecutor(1)
     own = samples_db(directory) if run_id is None else None  # a model section's episodes: no run holds them
     print(f"molt eval worker: evaluation {eval_id}, {len(results)} of {c['episodes']} episodes already recorded",
           flush=True)
+
+    # Core statements compiled once, with each episode's values as parameters (building an ORM statement per episode
+    # cost ten times its commit)
+    set_results = update(Evaluation).where(Evaluation.id == eval_id)
+    add_sample = insert(Sample).on_conflict_do_nothing() if own is None else insert(Sample).prefix_with("OR REPLACE")
+
+    def save(position: int, prompt: int, ep, recorded: dict):
+        sample = None
+        if ep is not None:
+            r = record(ep, processor, 0)
+            sample = {"run_id": run_id or 0, "step": eval_id, "kind": "evaluation", "position": position,
+                      "group_id": prompt, "version": 0, "time": now(),
+                      **{name: r[name] for name in ("seed", "reward", "success", "turns", "tool_calls",
+                                                    "tool_errors", "prompt", "text", "tokens", "images")}}
+        if sample and own is not None:  # before its result: one killed in between is run again, replacing it
+            with own.begin() as conn:
+                conn.execute(add_sample, sample)
+        with engine.begin() as conn:  # the result and a run's sample in one commit: a kill records both or neither
+            conn.execute(set_results, {"results": recorded})
+            if sample and own is None:
+                conn.execute(add_sample, sample)
 
     async def one(position: int):
         async with gate:  # prompt p's k samples: the env's held-out seed p, sample index j
@@ -362,22 +384,9 @@ async def evaluate(engine, eval_id: int, directory: Path):
             except Exception as error:  # an env that fails counts as a failed episode, with its error
                 ep, result = None, [0.0, False, {}, f"{type(error).__name__}: {error}"[:500]]
         results[str(position)] = result
-        row = None
-        if ep is not None:
-            r = record(ep, processor, 0)
-            row = insert(Sample).values(
-                run_id=run_id or 0, step=eval_id, kind="evaluation", position=position, group_id=prompt,
-                seed=r["seed"], version=0, reward=r["reward"], success=r["success"], turns=r["turns"],
-                tool_calls=r["tool_calls"], tool_errors=r["tool_errors"], prompt=r["prompt"], text=r["text"],
-                tokens=r["tokens"], images=r["images"])
-        if row is not None and own is not None:  # before its result: one killed in between is run again, replacing it
-            with own.begin() as conn:
-                conn.execute(row.prefix_with("OR REPLACE"))
-        with Session(engine) as s:  # the result and a run's sample in one commit: a kill records both or neither
-            s.execute(update(Evaluation).where(Evaluation.id == eval_id).values(results=dict(results)))
-            if row is not None and own is None:
-                s.execute(row.on_conflict_do_nothing())
-            s.commit()
+        # Off the event loop (it would hold up the sampler's steps), on one thread: the commits land in this order,
+        # so the recorded results only ever grow
+        await asyncio.get_running_loop().run_in_executor(writer, save, position, prompt, ep, dict(results))
 
     async def beat():  # from the event loop itself, as a run's worker beats: a blocked loop stops it
         while True:

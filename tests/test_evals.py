@@ -360,3 +360,15 @@ def test_a_model_sections_evaluation_records_its_episodes_and_the_samples_view_o
         assert client.get(f"/api/v1/evals/{run_eval}/samples").json()["total"] == 8
         listing = client.get("/evals").text
         assert f'href="/evals/{model_eval}/samples"' in listing and f'href="/evals/{run_eval}/samples"' in listing
+
+
+def test_the_throughput_bench_measures_a_job_and_the_in_run_eval_on_the_same_episodes(monkeypatch):
+    import runpy
+
+    from daemon import evals
+    monkeypatch.setattr(evals, "CONCURRENT_EPISODES", evals.CONCURRENT_EPISODES)  # --in-flight sets it: put it back
+    bench = runpy.run_path(str(ROOT / "bench" / "evals.py"))  # a script, not a package: its functions by name
+    result = bench["main"](["--episodes", "8", "--repeats", "1", "--in-flight", "4"])
+    assert result["episodes"] == 8 and result["in_flight"] == 4 and len(result["load"]) == 3
+    assert result["job"] > 0 and result["in_run"] > 0 and result["job_episodes"] >= result["job"]
+    assert result["ratio"] == pytest.approx(result["job"] / result["in_run"])
