@@ -398,6 +398,7 @@ async def evaluate(engine, eval_id: int, directory: Path):
         await asyncio.gather(*(one(i) for i in range(c["episodes"]) if str(i) not in results))
         for task in tasks:
             task.cancel()
+    writer.shutdown()
     with Session(engine) as s:
         s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status.in_(LIVE)).values(
             status="completed", metrics=eval_summary(results, k), finished_at=now(), pid=None))

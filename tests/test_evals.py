@@ -305,11 +305,16 @@ def test_a_running_eval_is_adopted_by_a_new_daemon_after_a_sigkill(policy):
     eval_id = queue(records, run_id, episodes=256, k=4)
     running = wait_until(lambda: (e := get_eval(records.engine, eval_id))["done"] >= 8 and e, 300, 0.05,
                          message="8 episodes recorded")
+    os.killpg(running["pid"], signal.SIGSTOP)  # held still while the daemons change: the next one finds it running
     daemon.kill()  # no chance to clean up
     daemon.wait(30)
     assert alive(running["pid"]), "the worker outlives its daemon"
+    paused = get_eval(records.engine, eval_id)
+    assert paused["status"] == "running" and paused["done"] < 256, paused
     daemon = start_daemon(records.home)
     try:
+        wait_until(lambda: records.daemon_status()["pid"] == daemon.pid, 60, message="the new daemon")
+        os.killpg(running["pid"], signal.SIGCONT)
         final = ended(records, eval_id)
     finally:
         daemon.terminate()
