@@ -5,7 +5,7 @@ import io
 import math
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Query, Request
+from fastapi import APIRouter, Form, HTTPException, Query, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
 
@@ -40,6 +40,22 @@ def evals_page(request: Request, run_id: Annotated[int | None, Query(ge=1)] = No
     return render(request, "evals.html", rows=rows, names=names, base=base, run_id=run_id, error=None,
                   form={"run_id": run_id or "", "checkpoint": "best", "env": "", "episodes": 64, "k": 1,
                         "temperature": 0.0})
+
+
+@router.get("/evals/{eval_id}/samples")
+@guarded
+def eval_samples_page(request: Request, eval_id: int):
+    """The samples view on an evaluation's episodes: a run's evaluation opens on its run's samples at its step; a
+    model section's, which no run holds, on its own (GET /api/v1/evals/{id}/samples)."""
+    e = evals.get_eval(request.app.state.records.engine, eval_id)
+    if e is None:
+        raise HTTPException(404, f"no evaluation {eval_id}")
+    if e["run_id"]:
+        return RedirectResponse(f"/runs/{e['run_id']}/samples?kind=evaluation&step={eval_id}", status_code=303)
+    c = e["config"]
+    source = f"{c['model'].get('path') or c['model'].get('preset')} on {c['env']}"
+    return render(request, "samples.html", run={"id": eval_id, "name": source, "status": e["status"]}, evaluation=e,
+                  page={"api": f"/api/v1/evals/{eval_id}", "status": e["status"]})
 
 
 @router.post("/evals")

@@ -1,16 +1,21 @@
 """The evaluations' REST API under /api/v1/evals: queue one, read its status and metrics, list, stop, its episodes."""
 import asyncio
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
+from sqlalchemy import func, select
+from sqlmodel import Session
 
 from daemon import evals
 from daemon.evals import EvalInvalid, EvalRequest
+from daemon.models import Sample
+from daemon.records import Records
 
-from .rest import _problem, authenticated, known_query, records_of
-from .schemas import BadRequest, Invalid, Out
+from .rest import _problem, authenticated, known_query, records_of, sample_filters
+from .schemas import BadRequest, Invalid, Out, SampleOut, SamplesOut, SampleStep
 
 EvalId = Annotated[int, Path(ge=1, le=2**62, description="the evaluation's id")]
 
@@ -87,6 +92,67 @@ def stop_eval(request: Request, eval_id: EvalId):
     if not evals.stop_eval(engine, eval_id):
         raise HTTPException(409, f"evaluation {eval_id} is {found['status']}")
     return evals.get_eval(engine, eval_id)
+
+
+@router.get("/evals/{eval_id}/samples", response_model=SamplesOut, responses=with_eval, tags=["samples"])
+def eval_samples(request: Request, eval_id: EvalId, filters: Annotated[dict, Depends(sample_filters)],
+                 limit: Annotated[int, Query(ge=1, le=500)] = 50,
+                 cursor: Annotated[int | None, Query(ge=0, le=2**62, description="the last page's next_cursor")] = None,
+                 order: Literal["oldest", "newest"] = "oldest"):
+    """The evaluation's recorded episodes, filtered and paged as a run's samples are (its step is the evaluation's
+    id, its kind `evaluation`). Those of a model section, which no run holds, have run_id 0."""
+    run_id, engine, query = _samples_of(request, eval_id, filters)
+    if engine is None:
+        return {"run_id": run_id, "samples": [], "next_cursor": None, "total": 0}
+    with Session(engine) as s:
+        total = s.scalar(select(func.count()).select_from(query.subquery()))
+        if cursor is not None:
+            query = query.where(Sample.id < cursor if order == "newest" else Sample.id > cursor)
+        rows = [r.model_dump() for r in s.scalars(
+            query.order_by(Sample.id.desc() if order == "newest" else Sample.id).limit(limit))]
+    return {"run_id": run_id, "samples": rows, "next_cursor": rows[-1]["id"] if len(rows) == limit else None,
+            "total": total}
+
+
+@router.get("/evals/{eval_id}/samples/steps", response_model=list[SampleStep], responses=with_eval,
+            tags=["samples"])
+def eval_sample_steps(request: Request, eval_id: EvalId):
+    """The evaluation's one step of samples (its id), with their count; none before its first episode."""
+    total = eval_samples(request, eval_id, sample_filters(), limit=1)["total"]
+    return [{"step": eval_id, "kind": "evaluation", "count": total}] if total else []
+
+
+@router.get("/evals/{eval_id}/samples.jsonl", tags=["samples"], responses={
+    **with_eval, 200: {"content": {"application/x-ndjson": {}}, "description": "one SampleOut per line"}})
+def eval_samples_jsonl(request: Request, eval_id: EvalId, filters: Annotated[dict, Depends(sample_filters)]):
+    """Every recorded episode of the evaluation that passes the filters, one JSON object per line."""
+    _, engine, query = _samples_of(request, eval_id, filters)
+
+    def lines():
+        cursor = -1
+        while engine is not None:
+            with Session(engine) as s:
+                rows = [r.model_dump() for r in s.scalars(query.where(Sample.id > cursor).order_by(Sample.id)
+                                                          .limit(200))]
+            if not rows:
+                return
+            yield "".join(SampleOut.model_validate(r).model_dump_json() + "\n" for r in rows)
+            cursor = rows[-1]["id"]
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson", headers={
+        "Content-Disposition": f'attachment; filename="evaluation-{eval_id}-samples.jsonl"'})
+
+
+def _samples_of(request: Request, eval_id: int, filters: dict):
+    """(run_id, the database that holds the evaluation's episodes, the query of those that pass the filters): a
+    run's evaluation's are in the records; a model section's in its own database (None until it records one)."""
+    records = records_of(request)
+    found = _found(evals.get_eval(records.engine, eval_id), eval_id)
+    run_id, directory = found["run_id"] or 0, evals.eval_dir(records.home, eval_id)
+    query = Records.sample_query(run_id, **{**filters, "step": eval_id, "kind": "evaluation"})
+    if run_id:
+        return run_id, records.engine, query
+    return run_id, evals.samples_db(directory) if (directory / "samples.db").exists() else None, query
 
 
 def _found(evaluation: dict | None, eval_id: int) -> dict:

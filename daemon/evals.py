@@ -6,14 +6,16 @@ import signal
 import subprocess
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
 from typing import IO
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import func, select, update
+from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.dialects.sqlite import insert
+from sqlalchemy.pool import NullPool
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
@@ -23,7 +25,7 @@ from .models import ACTIVE, Evaluation, Run, Sample, now
 
 LIVE = ("running", "restarting", "stopping")    # a slot is taken: a worker lives or is about to
 ENDED = ("completed", "failed", "stopped")
-CONCURRENT_EPISODES = 16   # in flight at once: a killed worker loses at most these, the rest are recorded
+CONCURRENT_EPISODES = 64   # in flight at once: a kill loses at most these (16: half the episodes/s, bench/evals.py)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -169,10 +171,12 @@ def stop_eval(engine, eval_id: int) -> bool:
 @dataclass
 class EvalWorker:
     pid: int
+    started: float                  # when started (or adopted): the first heartbeat is due FIRST_BEAT_S after
     proc: subprocess.Popen | None   # None: adopted from an earlier daemon
     log: IO | None = None
     gpus: tuple[str, ...] = ()
     term: bool = False
+    hang: str | None = None         # why it was SIGKILLed as hung
 
 
 class EvalWorkers:
@@ -187,23 +191,31 @@ class EvalWorkers:
         return {g for w in self.workers.values() for g in w.gpus}
 
     def tick(self):
+        from .supervisor import FIRST_BEAT_S  # here, not above: the supervisor imports this module
         engine = self.sup.engine
         with Session(engine) as s:
             for eval_id, w in list(self.workers.items()):
                 status = s.scalar(select(Evaluation.status).where(Evaluation.id == eval_id))
                 alive = w.proc.poll() is None if w.proc else lock_holder(eval_dir(self.sup.home, eval_id)
                                                                          / "worker.lock") is not None
-                if alive and status == "stopping" and not w.term:
+                if not alive:
+                    self.ended(s, eval_id, w.proc.returncode if w.proc else None)
+                    continue
+                beat = heartbeat_at(self.sup.home, eval_id)
+                age = now() - max(beat or 0.0, w.started)
+                limit = self.sup.heartbeat_timeout if beat else max(self.sup.heartbeat_timeout, FIRST_BEAT_S)
+                if w.hang is None and age > limit:  # stopping or not: a hung worker would never end on SIGTERM
+                    w.hang = f"hang: no heartbeat for {age:.0f}s" if beat else f"hang: no first heartbeat in {age:.0f}s"
+                    _kill(w.pid, signal.SIGKILL)
+                elif status == "stopping" and not w.term:
                     _kill(w.pid, signal.SIGTERM)
                     w.term = True
-                elif not alive:
-                    self.ended(s, eval_id, w.proc.returncode if w.proc else None)
             for e in s.scalars(select(Evaluation).where(Evaluation.status.in_(LIVE),
                                                         Evaluation.id.not_in(list(self.workers)))).all():
                 holder = lock_holder(eval_dir(self.sup.home, e.id) / "worker.lock")
                 if holder and holder.isdigit():
                     gpus = tuple(filter(None, (e.gpus or "").split(",")))
-                    self.workers[e.id] = EvalWorker(int(holder), None, gpus=gpus)
+                    self.workers[e.id] = EvalWorker(int(holder), now(), None, gpus=gpus)
                 elif holder is None:  # its worker died with the last daemon: not its own failure
                     status = "stopped" if e.status == "stopping" else "restarting"
                     s.execute(update(Evaluation).where(Evaluation.id == e.id).values(status=status, pid=None))
@@ -224,18 +236,17 @@ class EvalWorkers:
         if w.log:
             w.log.close()
         e = s.get(Evaluation, eval_id, populate_existing=True)
-        cause = (f"killed by {signal.Signals(-rc).name}" if rc and rc < 0 else f"exit code {rc}" if rc is not None
-                 else "gone (adopted: exit status unknown)")
+        cause = w.hang or ("gone (adopted: exit status unknown)" if rc is None else
+                           f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+        error = e.last_error if rc == 1 else f"worker {cause}"  # 1: it recorded its error
         if e.status == "stopping":
             values = {"status": "stopped", "finished_at": now()}
         elif e.status in ENDED:
             return
         elif e.restarts < e.max_restarts:
-            values = {"status": "restarting", "restarts": e.restarts + 1,
-                      "last_error": e.last_error if rc == 1 else f"worker {cause}"}  # 1: it recorded its error
+            values = {"status": "restarting", "restarts": e.restarts + 1, "last_error": error}
         else:
-            values = {"status": "failed", "finished_at": now(),
-                      "last_error": e.last_error if rc == 1 else f"worker {cause}"}
+            values = {"status": "failed", "finished_at": now(), "last_error": error}
         s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status == e.status)
                   .values(pid=None, **values))
         s.commit()
@@ -249,6 +260,7 @@ class EvalWorkers:
         directory = eval_dir(self.sup.home, e.id)
         directory.mkdir(parents=True, exist_ok=True)
         log = open(directory / "worker.log", "ab")
+        (directory / "heartbeat").unlink(missing_ok=True)  # the last worker's: this one's first beat is still due
         root = str(Path(__file__).resolve().parent.parent)
         env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
@@ -258,7 +270,7 @@ class EvalWorkers:
                                 start_new_session=True)
         s.execute(update(Evaluation).where(Evaluation.id == e.id).values(pid=proc.pid))
         s.commit()
-        self.workers[e.id] = EvalWorker(proc.pid, proc, log, tuple(gpus))
+        self.workers[e.id] = EvalWorker(proc.pid, now(), proc, log, tuple(gpus))
 
 
 def _kill(pid: int, sig: int):
@@ -270,6 +282,22 @@ def _kill(pid: int, sig: int):
 
 def eval_dir(home: Path, eval_id: int) -> Path:
     return home / "evals" / str(eval_id)
+
+
+def samples_db(directory: Path):
+    """Where the episodes of a model section's evaluation are recorded, as no run holds them: the records' sample
+    table (run_id 0) in a database of its own in the evaluation's directory."""
+    engine = create_engine(f"sqlite:///{directory / 'samples.db'}", poolclass=NullPool, connect_args={"timeout": 30})
+    Sample.__table__.create(engine, checkfirst=True)
+    return engine
+
+
+def heartbeat_at(home: Path, eval_id: int) -> float | None:
+    """When the evaluation's worker last beat (its heartbeat file's mtime); None before its first beat."""
+    try:
+        return (eval_dir(home, eval_id) / "heartbeat").stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 # ---- the worker -----------------------------------------------------------------------------------------------------
@@ -289,7 +317,7 @@ def main(argv=None) -> int:
         return 75
     engine = connect(home, migrate=False)
     try:
-        asyncio.run(evaluate(engine, args.eval_id))
+        asyncio.run(evaluate(engine, args.eval_id, directory))
         return 0
     except Exception as e:
         traceback.print_exc()
@@ -302,7 +330,7 @@ def main(argv=None) -> int:
         lock.close()
 
 
-async def evaluate(engine, eval_id: int):
+async def evaluate(engine, eval_id: int, directory: Path):
     from molt_engine.chat import stop_ids
     from molt_engine.envs import EVAL_SEEDS
     from molt_engine.models import load_policy
@@ -321,9 +349,31 @@ async def evaluate(engine, eval_id: int):
     import torch
     sampler = Sampler(model.to(getattr(torch, cfg.model.dtype)), stop_ids=stops, pad_id=tokenizer.pad_token_id,
                       temperature=c["temperature"] or 1.0)
-    k, gate = c["k"], asyncio.Semaphore(CONCURRENT_EPISODES)
+    k, gate, writer = c["k"], asyncio.Semaphore(CONCURRENT_EPISODES), ThreadPoolExecutor(1)
+    own = samples_db(directory) if run_id is None else None  # a model section's episodes: no run holds them
     print(f"molt eval worker: evaluation {eval_id}, {len(results)} of {c['episodes']} episodes already recorded",
           flush=True)
+
+    # Core statements compiled once, with each episode's values as parameters (building an ORM statement per episode
+    # cost ten times its commit)
+    set_results = update(Evaluation).where(Evaluation.id == eval_id)
+    add_sample = insert(Sample).on_conflict_do_nothing() if own is None else insert(Sample).prefix_with("OR REPLACE")
+
+    def save(position: int, prompt: int, ep, recorded: dict):
+        sample = None
+        if ep is not None:
+            r = record(ep, processor, 0)
+            sample = {"run_id": run_id or 0, "step": eval_id, "kind": "evaluation", "position": position,
+                      "group_id": prompt, "version": 0, "time": now(),
+                      **{name: r[name] for name in ("seed", "reward", "success", "turns", "tool_calls",
+                                                    "tool_errors", "prompt", "text", "tokens", "images")}}
+        if sample and own is not None:  # before its result: one killed in between is run again, replacing it
+            with own.begin() as conn:
+                conn.execute(add_sample, sample)
+        with engine.begin() as conn:  # the result and a run's sample in one commit: a kill records both or neither
+            conn.execute(set_results, {"results": recorded})
+            if sample and own is None:
+                conn.execute(add_sample, sample)
 
     async def one(position: int):
         async with gate:  # prompt p's k samples: the env's held-out seed p, sample index j
@@ -334,21 +384,21 @@ async def evaluate(engine, eval_id: int):
             except Exception as error:  # an env that fails counts as a failed episode, with its error
                 ep, result = None, [0.0, False, {}, f"{type(error).__name__}: {error}"[:500]]
         results[str(position)] = result
-        with Session(engine) as s:  # the episode and its sample in one commit: a kill records it whole or not at all
-            s.execute(update(Evaluation).where(Evaluation.id == eval_id).values(results=dict(results)))
-            if ep is not None and run_id is not None:
-                r = record(ep, processor, 0)
-                s.execute(insert(Sample).values(
-                    run_id=run_id, step=eval_id, kind="evaluation", position=position, group_id=prompt,
-                    seed=r["seed"], version=0, reward=r["reward"], success=r["success"], turns=r["turns"],
-                    tool_calls=r["tool_calls"], tool_errors=r["tool_errors"], prompt=r["prompt"], text=r["text"],
-                    tokens=r["tokens"], images=r["images"]).on_conflict_do_nothing())
-            s.commit()
+        # Off the event loop (it would hold up the sampler's steps), on one thread: the commits land in this order,
+        # so the recorded results only ever grow
+        await asyncio.get_running_loop().run_in_executor(writer, save, position, prompt, ep, dict(results))
+
+    async def beat():  # from the event loop itself, as a run's worker beats: a blocked loop stops it
+        while True:
+            (directory / "heartbeat").touch()
+            await asyncio.sleep(1.0)
 
     async with asyncio.TaskGroup() as tg:
-        decoding = tg.create_task(sampler.run())
+        tasks = [tg.create_task(sampler.run()), tg.create_task(beat())]
         await asyncio.gather(*(one(i) for i in range(c["episodes"]) if str(i) not in results))
-        decoding.cancel()
+        for task in tasks:
+            task.cancel()
+    writer.shutdown()
     with Session(engine) as s:
         s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status.in_(LIVE)).values(
             status="completed", metrics=eval_summary(results, k), finished_at=now(), pid=None))

@@ -88,7 +88,8 @@ PATH_PARAMS = {"panel": "records", "action": "stop", "alert_id": "1"}
 def page_routes(web) -> list[tuple[str, str]]:
     """(method, URL) of every HTML page of the real app behind the login, as FastAPI routes requests to them."""
     run = new_run(web)
-    values = {**PATH_PARAMS, "run_id": str(run["id"])}
+    evaluation = web["client"].post("/api/v1/evals", json={"model": {"preset": "tiny-dense"}, "env": "max_digit"})
+    values = {**PATH_PARAMS, "run_id": str(run["id"]), "eval_id": str(evaluation.json()["id"])}
     found = []
     for context in fastapi.routing.iter_route_contexts(web["app"].routes):  # included routers' routes too
         path = context.path

@@ -1,18 +1,25 @@
-"""Evaluations as jobs: pass@k against a hand computation, the REST API's 422s, and (slow) a trained run's
-checkpoints evaluated by the daemon through `molt eval`, with a worker SIGKILLed mid-evaluation."""
+"""Evaluations as jobs: pass@k against a hand computation, the REST API's 422s, the daemon supervising their workers
+(hung, stopped, adopted by a new daemon: real processes and signals), and (slow) a trained run's checkpoints evaluated
+through `molt eval`, with a worker SIGKILLed mid-evaluation."""
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
+from sqlmodel import Session
 
 from app_support import ROOT, child_env, molt, serve
 from conftest import wait_until
+from daemon import supervisor
 from daemon.db import run_dir, set_run
-from daemon.evals import pass_at_k, scores
+from daemon.evals import ENDED, EvalRequest, eval_dir, get_eval, pass_at_k, queue_eval, scores, stop_eval
+from daemon.models import Sample
 from daemon.records import Records
 from daemon.sink import DbSink
 
@@ -176,3 +183,197 @@ def test_a_trained_runs_best_scores_high_its_initial_policy_low_and_a_killed_wor
         assert sorted(s["position"] for s in page["samples"]) == list(range(256))
         assert all(s["kind"] == "evaluation" and s["step"] == eval_id for s in page["samples"])
         assert [e["id"] for e in client.get("/api/v1/evals", params={"run_id": run_id}).json()][0] == eval_id
+
+
+# ---- supervising evaluation workers: a run whose best/ is the tiny preset, evaluated by real daemons -----------------
+
+def run_with_a_policy(records: Records) -> int:
+    """A completed run whose best/ policy is the tiny preset as built from seed 0 (saved as a checkpoint is)."""
+    from molt_engine.config import RunConfig
+    from molt_engine.models import load_policy
+    config = {"env": "max_digit", "loop": {"steps": 1}}
+    run = records.create_run(config, name="policy")
+    model, tokenizer = load_policy(RunConfig.model_validate(config).model, 0)
+    model.save_pretrained(run_dir(records.home, run["id"]) / "best")
+    tokenizer.save_pretrained(run_dir(records.home, run["id"]) / "best")
+    with records.engine.begin() as conn:  # before any daemon starts: never trained
+        set_run(conn, run["id"], status="completed", summary={"best_step": 0})
+    return run["id"]
+
+
+def start_daemon(home: Path, *args: str) -> subprocess.Popen:
+    with open(home / "daemon.log", "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2", *args],
+                                cwd=ROOT, env=child_env(home), stdout=log, stderr=subprocess.STDOUT)
+
+
+def recorded(records: Records, eval_id: int) -> list[int]:
+    """The positions of the evaluation's episodes recorded as samples, sorted (a position twice would show)."""
+    with Session(records.engine) as s:
+        return sorted(s.scalars(select(Sample.position).where(Sample.kind == "evaluation", Sample.step == eval_id)))
+
+
+def ended(records: Records, eval_id: int, timeout: float = 300) -> dict:
+    return wait_until(lambda: (e := get_eval(records.engine, eval_id))["status"] in ENDED and e, timeout, 0.1,
+                      message=f"the end of evaluation {eval_id}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@pytest.fixture
+def policy(tmp_path):
+    records = Records(tmp_path)
+    return records, run_with_a_policy(records)
+
+
+def queue(records: Records, run_id: int, **fields) -> int:
+    request = EvalRequest(run_id=run_id, temperature=1.0, **fields)
+    return queue_eval(records.engine, records.home, request)["id"]
+
+
+def test_an_eval_worker_that_never_beats_is_killed_as_hung(policy, monkeypatch):
+    records, run_id = policy
+    monkeypatch.setattr(supervisor, "FIRST_BEAT_S", 3.0)  # the daemon runs in this process: its first-beat limit
+    eval_id = queue(records, run_id, episodes=4, max_restarts=0)
+    sup = supervisor.Supervisor(records.home, heartbeat_timeout=1.0, poll=0.1, gpus=[])
+    stop = threading.Event()
+    thread = threading.Thread(target=sup.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        pid = wait_until(lambda: get_eval(records.engine, eval_id)["pid"], 60, 0.01, message="the worker's start")
+        os.killpg(pid, signal.SIGSTOP)  # still importing: it never gets to load the policy and beat
+        final = ended(records, eval_id, 60)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not (eval_dir(records.home, eval_id) / "heartbeat").exists(), "it did beat: stopped too late"
+    assert final["status"] == "failed" and final["last_error"].startswith("worker hang: no first heartbeat in ")
+    assert final["pid"] is None and not alive(pid)
+
+
+def test_a_hung_eval_worker_is_killed_and_restarted_and_each_episode_recorded_once(policy):
+    records, run_id = policy
+    daemon = start_daemon(records.home, "--heartbeat-timeout", "5")
+    try:
+        eval_id = queue(records, run_id, episodes=128, k=4)
+        running = wait_until(lambda: (e := get_eval(records.engine, eval_id))["done"] >= 8 and e, 300, 0.05,
+                             message="8 episodes recorded")
+        os.killpg(running["pid"], signal.SIGSTOP)  # hung: alive, holding its lock, but no longer beating
+        final = ended(records, eval_id)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert running["done"] < 128, "finished before the hang: make it longer"
+    assert final["status"] == "completed", final
+    assert final["restarts"] == 1 and final["last_error"].startswith("worker hang: no heartbeat for "), final
+    assert not alive(running["pid"])
+    assert final["metrics"]["episodes"] == 128 and final["done"] == 128
+    assert recorded(records, eval_id) == list(range(128))
+
+
+def test_stopping_a_running_eval_ends_its_worker_with_its_records_consistent(policy):
+    records, run_id = policy
+    daemon = start_daemon(records.home)
+    try:
+        eval_id = queue(records, run_id, episodes=256, k=4)
+        running = wait_until(lambda: (e := get_eval(records.engine, eval_id))["done"] >= 8 and e, 300, 0.05,
+                             message="8 episodes recorded")
+        assert stop_eval(records.engine, eval_id)
+        final = ended(records, eval_id, 60)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert final["status"] == "stopped" and final["finished_at"] and final["pid"] is None, final
+    assert 8 <= final["done"] < 256 and final["metrics"] is None and final["restarts"] == 0
+    assert not alive(running["pid"])
+    with Session(records.engine) as s:
+        from daemon.models import Evaluation
+        done = sorted(map(int, s.get(Evaluation, eval_id).results))
+    assert recorded(records, eval_id) == done, "every finished episode has its sample, and no other"
+    assert not stop_eval(records.engine, eval_id)
+
+
+def test_a_running_eval_is_adopted_by_a_new_daemon_after_a_sigkill(policy):
+    records, run_id = policy
+    daemon = start_daemon(records.home)
+    eval_id = queue(records, run_id, episodes=256, k=4)
+    running = wait_until(lambda: (e := get_eval(records.engine, eval_id))["done"] >= 8 and e, 300, 0.05,
+                         message="8 episodes recorded")
+    os.killpg(running["pid"], signal.SIGSTOP)  # held still while the daemons change: the next one finds it running
+    daemon.kill()  # no chance to clean up
+    daemon.wait(30)
+    assert alive(running["pid"]), "the worker outlives its daemon"
+    paused = get_eval(records.engine, eval_id)
+    assert paused["status"] == "running" and paused["done"] < 256, paused
+    daemon = start_daemon(records.home)
+    try:
+        wait_until(lambda: records.daemon_status()["pid"] == daemon.pid, 60, message="the new daemon")
+        os.killpg(running["pid"], signal.SIGCONT)
+        final = ended(records, eval_id)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    log = (eval_dir(records.home, eval_id) / "worker.log").read_text()
+    assert final["status"] == "completed" and final["restarts"] == 0, final
+    assert log.count("episodes already recorded") == 1, "adopted, never started again"
+    assert final["metrics"]["episodes"] == 256 and recorded(records, eval_id) == list(range(256))
+
+
+def test_a_model_sections_evaluation_records_its_episodes_and_the_samples_view_opens_on_them(policy):
+    import httpx
+
+    from app_support import web_thread
+    records, run_id = policy
+    request = EvalRequest(model={"preset": "tiny-dense"}, env="max_digit", episodes=16, k=4, temperature=1.0)
+    model_eval = queue_eval(records.engine, records.home, request)["id"]
+    run_eval = queue(records, run_id, episodes=8, k=2)
+    daemon = start_daemon(records.home)
+    try:
+        finals = [ended(records, model_eval), ended(records, run_eval)]
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert [f["status"] for f in finals] == ["completed", "completed"], finals
+    with Session(records.engine) as s:
+        from daemon.models import Evaluation
+        passes = sum(r[1] for r in s.get(Evaluation, model_eval).results.values())
+    with web_thread(records.home, "t0ken") as (base, _), \
+            httpx.Client(base_url=base, headers={"Authorization": "Bearer t0ken"}) as client:
+        api = f"/api/v1/evals/{model_eval}"
+        page = client.get(f"{api}/samples", params={"limit": 500, "order": "newest"}).json()
+        assert page["total"] == 16 and sorted(s["position"] for s in page["samples"]) == list(range(16))
+        assert all((s["run_id"], s["kind"], s["step"]) == (0, "evaluation", model_eval) for s in page["samples"])
+        assert all(s["tokens"] and s["prompt"] for s in page["samples"])
+        assert client.get(f"{api}/samples", params={"passed": True}).json()["total"] == passes  # the filters apply
+        first = client.get(f"{api}/samples", params={"limit": 10}).json()
+        rest = client.get(f"{api}/samples", params={"limit": 10, "cursor": first["next_cursor"]}).json()
+        assert len(first["samples"]) + len(rest["samples"]) == 16 and rest["next_cursor"] is None
+        assert client.get(f"{api}/samples/steps").json() == [{"step": model_eval, "kind": "evaluation", "count": 16}]
+        assert len(client.get(f"{api}/samples.jsonl").text.splitlines()) == 16
+        assert client.get("/api/v1/evals/999/samples").status_code == 404
+        # the samples view: a model section's on its own API, a run's evaluation on its run's samples at its step
+        view = client.get(f"/evals/{model_eval}/samples")
+        assert view.status_code == 200 and f'"api": "{api}"' in view.text and f"evaluation #{model_eval}" in view.text
+        moved = client.get(f"/evals/{run_eval}/samples", follow_redirects=False)
+        assert moved.headers["location"] == f"/runs/{run_id}/samples?kind=evaluation&step={run_eval}"
+        assert client.get(f"/api/v1/evals/{run_eval}/samples").json()["total"] == 8
+        listing = client.get("/evals").text
+        assert f'href="/evals/{model_eval}/samples"' in listing and f'href="/evals/{run_eval}/samples"' in listing
+
+
+def test_the_throughput_bench_measures_a_job_and_the_in_run_eval_on_the_same_episodes(monkeypatch):
+    import runpy
+
+    from daemon import evals
+    monkeypatch.setattr(evals, "CONCURRENT_EPISODES", evals.CONCURRENT_EPISODES)  # --in-flight sets it: put it back
+    bench = runpy.run_path(str(ROOT / "bench" / "evals.py"))  # a script, not a package: its functions by name
+    result = bench["main"](["--episodes", "8", "--repeats", "1", "--in-flight", "4"])
+    assert result["episodes"] == 8 and result["in_flight"] == 4 and len(result["load"]) == 3
+    assert result["job"] > 0 and result["in_run"] > 0 and result["job_episodes"] >= result["job"]
+    assert result["ratio"] == pytest.approx(result["job"] / result["in_run"])

@@ -58,7 +58,7 @@ const MoltSamples = (() => {
     const error = document.getElementById("samples-error");
     const promptBar = document.getElementById("prompt-filter");
     const tip = document.getElementById("tok-tip");
-    const base = `/api/v1/runs/${page.run_id}`;
+    const base = page.api || `/api/v1/runs/${page.run_id}`;  // an evaluation's page names its own API
     const params = new URLSearchParams(location.search);
     const tokenOf = new WeakMap();  // a token's span -> {ep, i}, for its tooltip
     let prompt = params.get("prompt");
