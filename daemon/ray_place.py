@@ -32,12 +32,11 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
     nnodes, nproc = dist.get("nnodes", 1), dist.get("nproc", 1)
     marker = directory / f"attempt-{args.attempt}.placed"  # a node that cannot see it cannot see the checkpoints
     marker.write_text(str(os.getpid()))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    pg = None
+    stop, pg = threading.Event(), None
     try:
         context = ray.init(address=address, runtime_env={"env_vars": {k: os.environ[k] for k in PASSED_ON
                                                                       if k in os.environ}})
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())  # after ray.init, which sets its own (exit at once)
         gpus = (config.get("resources") or {}).get("gpus")
         gpus = (nproc if ray.cluster_resources().get("GPU") else 0) if gpus is None else gpus
         bundle = {"GPU": gpus} if gpus else {"CPU": nproc}
@@ -50,6 +49,8 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
         on = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(nnodes)]
         nodes = ray.get([probe.options(num_cpus=0, scheduling_strategy=on[i]).remote(str(marker))
                          for i in range(nnodes)])
+        if stop.is_set():  # stopped while it waited for its nodes: nothing ran
+            return None
         blind = [f"node {ip} (node rank {i})" for i, (ip, sees, _) in enumerate(nodes) if not sees]
         if blind:
             return {"outcome": "error", "cause": f"{', '.join(blind)} cannot see the run directory {directory}: "
