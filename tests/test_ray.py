@@ -9,9 +9,10 @@ from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 from sqlmodel import Session
 
-from app_support import hook, logged_in, new_run, web  # noqa: F401 (hook, web: fixtures)
+from app_support import hook, logged_in, new_run, serve, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from daemon.db import add_event
+from daemon.records import Records
 from molt_engine import RunConfig
 from molt_engine.config import ValidationError, config_errors
 from test_daemon_supervisor import START, Studio, assert_each_step_once, config
@@ -97,7 +98,8 @@ def node_processes(home) -> list[int]:
 def test_a_two_node_run_learns_survives_a_sigkill_on_the_second_node_and_leaves_no_placement(placed):
     """dist {nnodes: 2, nproc: 1}: rank 1 (on the second node) is SIGKILLed mid-run. The attempt ends naming that
     node, its rank and the signal; the daemon restarts it from the checkpoint on both nodes; the run completes
-    with every step recorded once and a greedy eval reward of at least 0.9, above the warm start's; no placement group is left."""
+    with every step recorded once and a greedy eval reward of at least 0.9, above the warm start's; no placement
+    group is left."""
     studio, cluster = placed
     api = studio.api
     run = api.create_run(LEARNS)["id"]
@@ -125,19 +127,22 @@ def test_a_two_node_run_learns_survives_a_sigkill_on_the_second_node_and_leaves_
 
 
 @pytest.mark.slow
-def test_a_stop_reaches_every_node_rank_0_checkpoints_and_nothing_of_the_attempt_is_left_on_ray(placed):
-    """The daemon's stop (SIGTERM to the worker): passed on to each node's task, so the ranks checkpoint at one step
-    and the run is `stopped`; its placement group is removed and no node launcher or rank lives on."""
-    studio, cluster = placed
-    api = studio.api
+def test_a_stop_reaches_every_node_rank_0_checkpoints_and_nothing_of_the_attempt_is_left_on_ray(placed, tmp_path):
+    """`molt serve --ray ADDRESS` (its daemon gets the address); the dashboard's stop (SIGTERM to the worker) is
+    passed on to each node's task, so the ranks checkpoint at one step and the run is `stopped`; its placement group
+    is removed and no node launcher or rank lives on."""
+    _, cluster = placed
     before = len(our_placement_groups(cluster))
-    run = api.create_run(config(60, dist={"nnodes": 2}))["id"]
-    studio.wait_step(run, 4, timeout=START + 300)
-    assert api.stop_run(run)["status"] == "stopping"
-    stopped = api.wait_run(run, timeout=120)
-    assert stopped["status"] == "stopped" and 4 <= stopped["step"] < 60, stopped["last_error"]
-    assert api.checkpoints(run)[-1]["step"] == stopped["step"]
-    assert api.attempts(run)[0]["cause"] == "stopped"
-    wait_until(lambda: not node_processes(studio.home), 30, message="the worker, node launchers and ranks gone")
+    with serve(tmp_path, "--ray", cluster.address):
+        api = Records(tmp_path)
+        run = api.create_run(config(60, dist={"nnodes": 2}))["id"]
+        wait_until(lambda: api.get_run(run)["step"] >= 4, START + 300, message="step 4")
+        assert api.stop_run(run)["status"] == "stopping"
+        stopped = api.wait_run(run, timeout=120)
+        assert stopped["status"] == "stopped" and 4 <= stopped["step"] < 60, stopped["last_error"]
+        assert api.checkpoints(run)[-1]["step"] == stopped["step"]
+        assert [a["cause"] for a in api.attempts(run)] == ["stopped"]
+        assert [e["data"]["attempt"] for e in api.events(run, kind="ray")] == [1]
+        wait_until(lambda: not node_processes(tmp_path), 30, message="the worker, node launchers and ranks gone")
     states = our_placement_groups(cluster)
     assert len(states) == before + 1 and set(states) == {"REMOVED"}, states
