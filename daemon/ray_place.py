@@ -44,8 +44,9 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
         try:
             ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
+            has = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
             return {"outcome": "error", "cause": f"placement: no {nnodes} different nodes with {bundle} free each "
-                    f"within {PLACE_TIMEOUT_S}s (the cluster has {ray.cluster_resources()})"}
+                    f"within {PLACE_TIMEOUT_S}s (the cluster has {has} on {len(ray.nodes())} nodes)"}
         on = [PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i) for i in range(nnodes)]
         nodes = ray.get([probe.options(num_cpus=0, scheduling_strategy=on[i]).remote(str(marker))
                          for i in range(nnodes)])

@@ -146,3 +146,19 @@ def test_a_stop_reaches_every_node_rank_0_checkpoints_and_nothing_of_the_attempt
         wait_until(lambda: not node_processes(tmp_path), 30, message="the worker, node launchers and ranks gone")
     states = our_placement_groups(cluster)
     assert len(states) == before + 1 and set(states) == {"REMOVED"}, states
+
+
+@pytest.mark.slow
+def test_a_run_on_more_nodes_than_the_cluster_has_ends_its_attempt_as_a_placement_failure(placed):
+    """dist.nnodes 3 on two nodes: the placement group cannot be placed; after the placement timeout the attempt's
+    cause says so (with no restart allowed the run fails), and the unplaced group is removed as well."""
+    studio, cluster = placed
+    before = len(our_placement_groups(cluster))
+    run = studio.api.create_run(config(5, loop={"groups_per_step": 3}, dist={"nnodes": 3}), max_restarts=0)["id"]
+    final = studio.api.wait_run(run, timeout=START + 120)
+    assert final["status"] == "failed"
+    attempts = studio.api.attempts(run)
+    assert len(attempts) == 1 and attempts[0]["cause"].startswith("placement: no 3 different nodes with {'CPU': 1}")
+    wait_until(lambda: not node_processes(studio.home), 30, message="the worker gone")
+    states = our_placement_groups(cluster)
+    assert len(states) == before + 1 and set(states) == {"REMOVED"}, states
