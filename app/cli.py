@@ -53,6 +53,8 @@ def main(argv=None):
     s.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
     s.add_argument("--gpus", help="comma-separated GPU ids the daemon gives its runs, e.g. 0,1; '' = none "
                                   "(default: every visible GPU)")
+    s.add_argument("--ray", metavar="ADDRESS", help="place runs on this Ray cluster (auto, or HOST:PORT) instead of "
+                                                    "this machine: pip install molt-studio[ray]")
     s.add_argument("--stop-grace", type=float, default=STOP_GRACE,
                    help=f"on Ctrl-C, seconds the running workers get to checkpoint and stop (default {STOP_GRACE:g})")
     s.add_argument("--keep-daemon", action="store_true",
@@ -148,7 +150,8 @@ def cmd_web(args) -> int:
 def daemon_command(home: Path, args) -> list[str]:
     # $MOLT_ENVS reaches the daemon and its workers through the environment
     return [sys.executable, "-m", "daemon", "--home", str(home), "--concurrency", str(args.concurrency),
-            "--stop-grace", str(args.stop_grace), *(["--gpus", args.gpus] if args.gpus is not None else [])]
+            "--stop-grace", str(args.stop_grace), *(["--gpus", args.gpus] if args.gpus is not None else []),
+            *(["--ray", args.ray] if args.ray else [])]
 
 
 def serve_web(home: Path, args):

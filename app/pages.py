@@ -203,10 +203,11 @@ def run_page(request: Request, run_id: int):
     # The policy's parameter counts, from the engine's device event (each attempt sends one; the newest counts)
     device = ([{}] + [e["data"] for e in request.app.state.records.events(run_id, kind="device")])[-1]
     trainable, total = device.get("trainable"), device.get("parameters")
+    ray = ([{}] + [e["data"] for e in request.app.state.records.events(run_id, kind="ray")])[-1].get("dashboard")
     overview = {"model": config["model"].get("preset") or config["model"].get("path"),
                 "lora": config["model"].get("lora"), "host": socket.gethostname(),
                 "trainable": f"{trainable:,} of {total:,} ({100 * trainable / total:.1f} %)" if total else None,
-                "ranks": config.get("dist", {}).get("nproc", 1),
+                "ranks": config.get("dist", {}).get("nproc", 1) * config.get("dist", {}).get("nnodes", 1), "ray": ray,
                 "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
                   page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],

@@ -57,8 +57,8 @@ class Supervisor:
 
     def __init__(self, home: str | Path | None = None, *, concurrency: int = 1, heartbeat_timeout: float = 60.0,
                  poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 120.0,
-                 gpus: list[str] | None = None):
-        self.home = data_home(home)
+                 gpus: list[str] | None = None, ray: str | None = None):
+        self.home, self.ray = data_home(home), ray  # ray: a cluster's address, where the workers place their runs
         self.gpus = list(visible_gpus() if gpus is None else gpus)  # ids as CUDA_VISIBLE_DEVICES names them
         self.concurrency, self.heartbeat_timeout, self.poll = concurrency, heartbeat_timeout, poll
         self.backoff, self.backoff_max, self.stop_grace = backoff, backoff_max, stop_grace
@@ -320,10 +320,13 @@ class Supervisor:
             free = self.concurrency - active - len(self.evals.workers)
             if free > 0:
                 for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
-                    needed = self.gpus_needed(run)
-                    if needed > len(self.gpus):  # it could never start here: say so instead of queueing forever
-                        message = (f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
-                                   f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)")
+                    needed, nnodes = self.gpus_needed(run), (run.config.get("dist") or {}).get("nnodes", 1)
+                    message = (f"dist.nnodes is {nnodes} but this daemon has no Ray cluster to place it on (see "
+                               f"molt daemon --ray)" if nnodes > 1 and not self.ray else
+                               f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
+                               f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)" if needed > len(self.gpus)
+                               else None)
+                    if message:  # it could never start here: say so instead of queueing forever
                         if set_run(s, run.id, ("queued",), status="failed", finished_at=now(), last_error=message):
                             add_event(s, run.id, "failed", message)
                         s.commit()
@@ -333,7 +336,10 @@ class Supervisor:
                         self.start(s, run)
 
     def gpus_needed(self, run: Run) -> int:
-        """The run's `resources.gpus`; by default one per rank (`dist.nproc`) where this daemon has GPUs, else 0."""
+        """The run's `resources.gpus`; by default one per rank (`dist.nproc`) where this daemon has GPUs, else 0.
+        None of this machine's with Ray: the cluster gives its own."""
+        if self.ray:
+            return 0
         asked = (run.config.get("resources") or {}).get("gpus")
         return ((run.config.get("dist") or {}).get("nproc", 1) if self.gpus else 0) if asked is None else asked
 
@@ -361,7 +367,7 @@ class Supervisor:
         env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # progress bars would flood the log
                **os.environ, "MOLT_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "CUDA_VISIBLE_DEVICES": ",".join(gpus)}  # its own GPUs only; "" = none: it runs on the CPU
+               "CUDA_VISIBLE_DEVICES": ",".join(gpus), "MOLT_RAY_ADDRESS": self.ray or ""}  # its own GPUs only; "" = none: it runs on the CPU
         logfile = open(log_path, "ab")
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
@@ -381,7 +387,6 @@ class Supervisor:
         s.commit()
         self.workers[run.id] = Worker(run.id, attempt.id, number, proc.pid, t, proc, logfile, gpus=tuple(gpus))
         log.info("run %d: attempt %d started, pid %d, log %s", run.id, number, proc.pid, log_path)
-
 
 
 def visible_gpus() -> list[str]:
@@ -415,6 +420,9 @@ def cli_main(argv=None) -> int:
     p.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the database (default 0.5)")
     p.add_argument("--gpus", help="comma-separated GPU ids the daemon gives its runs' workers, e.g. 0,1; "
                                   "'' = none (default: every visible GPU)")
+    p.add_argument("--ray", metavar="ADDRESS", default=os.environ.get("MOLT_RAY_ADDRESS") or None,
+                   help="place runs on this Ray cluster (auto, or HOST:PORT; needs molt-studio[ray]) instead of this "
+                        "machine; default $MOLT_RAY_ADDRESS")
     a = p.parse_args(argv)
     if a.concurrency < 1:
         p.error("--concurrency must be at least 1")
@@ -429,7 +437,7 @@ def cli_main(argv=None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     sup = Supervisor(a.home, concurrency=a.concurrency, heartbeat_timeout=a.heartbeat_timeout, poll=a.poll,
                      backoff=a.backoff, backoff_max=a.backoff_max, stop_grace=a.stop_grace,
-                     gpus=None if a.gpus is None else [g.strip() for g in a.gpus.split(",") if g.strip()])
+                     gpus=None if a.gpus is None else [g.strip() for g in a.gpus.split(",") if g.strip()], ray=a.ray)
     try:
         sup.run(stop)
     except DaemonRunning as e:

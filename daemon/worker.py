@@ -1,6 +1,7 @@
 """One attempt of a run: `python -m daemon.worker RUN_ID --attempt ID --home DIR`, started by the supervisor."""
 import argparse
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -25,6 +26,12 @@ def main(argv=None) -> int:
     p.add_argument("run_id", type=int)
     p.add_argument("--attempt", type=int, required=True, help="the attempt row's id")
     p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
+    # One node of an attempt placed on Ray (daemon/ray_place.py): launches this node's ranks and records nothing;
+    # why they failed goes to --cause-file, which the node's Ray task reads.
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int)
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (torchrun's static rendezvous)")
+    p.add_argument("--cause-file", type=Path)
     args = p.parse_args(argv)
     home = data_home(args.home)
     directory = run_dir(home, args.run_id)
@@ -33,9 +40,11 @@ def main(argv=None) -> int:
     # More than one process: this worker launches the ranks through torchrun and holds the lock; each rank runs
     # this module too (torchrun sets RANK); rank 0 reports and records, the others only train.
     rank = os.environ.get("RANK")
-    if rank is not None and sys.platform == "linux":
+    worker = rank is None and args.node_rank is None  # the supervisor's own worker: it holds the lock and records
+    if not worker and sys.platform == "linux":
         # torchrun starts each rank in a session of its own, out of reach of the daemon's kill of the worker's group:
         # a rank dies with its launching worker, or a killed or hung attempt's ranks would train on beside the next
+        # (and a node's launcher with its Ray task, which Ray kills to end the attempt)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() == 1:  # the worker died before that
             return 1
@@ -44,7 +53,7 @@ def main(argv=None) -> int:
     # one, and the daemon tells a live worker from a dead one (even one it did not start) by probing the lock.
     # Retry briefly: the daemon's probe holds it for a moment.
     deadline = time.monotonic() + 5
-    while rank is None and (lock := hold_lock(directory / "worker.lock", f"{os.getpid()} {args.attempt}")) is None:
+    while worker and (lock := hold_lock(directory / "worker.lock", f"{os.getpid()} {args.attempt}")) is None:
         if time.monotonic() > deadline:
             print(f"molt worker: another worker holds run {args.run_id}; exiting", file=sys.stderr)
             return DUPLICATE
@@ -54,19 +63,30 @@ def main(argv=None) -> int:
     with Session(engine) as s:
         attempt = s.get(Attempt, args.attempt)
         config, number = s.get(Run, args.run_id).config, attempt.number
-        if rank is None:
+        if worker:
             s.execute(update(Attempt).where(Attempt.id == args.attempt).values(pid=os.getpid()))
             s.execute(update(Run).where(Run.id == args.run_id).values(pid=os.getpid()))
             s.commit()
     print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}"
           + (f", rank {rank}" if rank else ""), flush=True)
-    if rank is None:
+    if worker:
         rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
     nproc = config.get("dist", {}).get("nproc", 1)
-    if rank is None and nproc > 1:
-        code = launch(engine, args, number, nproc)
-        _held.append(lock)
-        return code
+    ray = os.environ.get("MOLT_RAY_ADDRESS") if worker else None  # the daemon's `--ray`: place it on the cluster
+    if ray or rank is None and (nproc > 1 or not worker):
+        if ray:
+            from .ray_place import place  # here: only a daemon with --ray needs ray installed
+            values = place(engine, ray, args, number, config, directory)
+        else:
+            values = launch(args, nproc)
+        if values and not worker:
+            args.cause_file.write_text(json.dumps(values))
+        elif values:
+            print(f"molt worker: attempt {number} ended: {values['cause']}", flush=True)
+            _record(engine, args.run_id, args.attempt, number, values, None)
+        if worker:
+            _held.append(lock)
+        return 1 if values else 0
 
     sink = None if rank not in (None, "0") else DbSink(  # first: it beats while torch imports
         engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"),
@@ -97,21 +117,23 @@ def main(argv=None) -> int:
     print(f"molt worker: attempt {number} ended: {values['outcome']}", flush=True)
     if sink:
         _record(engine, args.run_id, args.attempt, number, values, summary)
-    if rank is None:
+    if worker:
         _held.append(lock)  # released by the kernel at exit, not before: the process is gone when the lock is free
     return code
 
 
-def launch(engine, args, number: int, nproc: int) -> int:
-    """Run the attempt as `nproc` ranks through torchrun. It never restarts them (the daemon decides restarts) and
-    ends them all when one dies; then this records which rank died first and why (its exit, and the exception its
-    error file holds) as the attempt's cause."""
+def launch(args, nproc: int) -> dict | None:
+    """Run the attempt as `nproc` ranks through torchrun (on this node of `--nnodes` when a Ray task started this).
+    It never restarts them (the daemon decides restarts) and ends them all when one dies; then this returns which
+    rank died first and why (its exit, and the exception its error file holds) as the attempt's cause."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+    where = ["--standalone"] if args.node_rank is None else [
+        f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--rdzv-endpoint={args.rdzv_endpoint}"]
     try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "daemon.worker",
+        torchrun([*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "daemon.worker",
                   str(args.run_id), "--attempt", str(args.attempt), "--home", str(data_home(args.home))])
-        return 0
+        return None
     except ChildFailedError as e:
         def order(item):  # killed by a signal torchrun did not send, then raised, then stopped by torchrun
             rank, f = item
@@ -131,12 +153,8 @@ def launch(engine, args, number: int, nproc: int) -> int:
                 text = text.get("message")
             texts.append(f"rank {r} (pid {f.pid}) {how(f)}: {text}")
         stacks = [s for s in stacks if s]
-        cause = "; ".join(texts)
-        values = {"outcome": "error", "cause": cause[:4000],
-                  "error": "\n".join(stacks[0].splitlines()[-TRACEBACK_LINES:]) if stacks else None}
-        print(f"molt worker: attempt {number} ended: {cause}", flush=True)
-        _record(engine, args.run_id, args.attempt, number, values, None)
-        return 1
+        return {"outcome": "error", "cause": "; ".join(texts)[:4000],
+                "error": "\n".join(stacks[0].splitlines()[-TRACEBACK_LINES:]) if stacks else None}
 
 
 def rewind_to_recorded(engine, run_id: int, root: Path):

@@ -112,8 +112,7 @@ class AlgoConfig(_Strict):
 
 
 class WarmStartConfig(_Strict):
-    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none; "
-                       "model.path: 0")
+    steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none; model.path: 0")
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0, description="model.path: 1e-5")
 
@@ -187,6 +186,7 @@ class DistConfig(_Strict):
     """More than one process: torchrun ranks, each sampling its share of the prompts; the update is data-parallel."""
     nproc: int = Field(1, gt=0, description="processes (torchrun ranks) per node; loop.groups_per_step is the "
                        "batch of all ranks together")
+    nnodes: int = Field(1, gt=0, description="nodes, each with nproc ranks: placed by a daemon on a Ray cluster (--ray)")
     strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="ddp: every rank holds the whole model; fsdp2: "
                                               "parameters, gradients and optimizer state sharded over the ranks")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: nccl with GPUs, else gloo")
@@ -241,11 +241,11 @@ class RunConfig(_Strict):
         if self.algo.minibatches > self.loop.groups_per_step:
             raise ValueError(f"algo.minibatches ({self.algo.minibatches}) must not exceed loop.groups_per_step "
                              f"({self.loop.groups_per_step}): a minibatch holds whole groups")
-        share = self.loop.groups_per_step // self.dist.nproc  # each rank's groups per step
-        if self.loop.groups_per_step % self.dist.nproc or self.algo.minibatches > share:
-            raise ValueError(f"loop.groups_per_step ({self.loop.groups_per_step}) must split evenly over dist.nproc "
-                             f"({self.dist.nproc}) ranks, into at least algo.minibatches ({self.algo.minibatches}) "
-                             f"groups each")
+        share = self.loop.groups_per_step // (ranks := self.dist.nproc * self.dist.nnodes)  # each rank's groups
+        if self.loop.groups_per_step % ranks or self.algo.minibatches > share:
+            raise ValueError(f"loop.groups_per_step ({self.loop.groups_per_step}) must split evenly over the {ranks} "
+                             f"ranks (dist.nproc x dist.nnodes), into at least algo.minibatches "
+                             f"({self.algo.minibatches}) groups each")
         from .envs import ENVS, make_env, where
         if ENVS[self.env].chat and not _has_chat_template(self.model):
             raise ValueError(f"env {self.env!r} speaks chat messages, but the policy's tokenizer has no chat template "
