@@ -251,20 +251,19 @@ def cmd_train(args) -> int:
     for key, value in [("steps", args.steps), ("max_staleness", args.max_staleness)]:
         if value is not None:
             config.setdefault("loop", {})[key] = value
-    if args.nproc is not None:
-        config.setdefault("dist", {})["nproc"] = args.nproc
+    for key, value in [("nproc", args.nproc), ("nnodes", nodes)]:
+        if value is not None:
+            config.setdefault("dist", {})[key] = value
     try:
         cfg = RunConfig.model_validate(config)
     except ValidationError as e:
         print("invalid config:\n  " + "\n  ".join(config_errors(e)), file=sys.stderr)
         return 2
-    ranks = (nodes or 1) * cfg.dist.nproc
-    share = cfg.loop.groups_per_step // ranks
-    if cfg.loop.groups_per_step % ranks or cfg.algo.minibatches > share:  # one node: the config checked it already
-        print(f"molt train: --nnodes {nodes} x dist.nproc {cfg.dist.nproc} = {ranks} ranks: loop.groups_per_step "
-              f"({cfg.loop.groups_per_step}) must split evenly over them, into at least algo.minibatches "
-              f"({cfg.algo.minibatches}) groups per rank", file=sys.stderr)
+    if cfg.dist.nnodes > 1 and nodes is None and "LOCAL_RANK" not in os.environ:  # not one of our ranks
+        print(f"molt train: dist.nnodes is {cfg.dist.nnodes}: run each node with --nnodes, --node-rank and "
+              "--rdzv-endpoint (or queue the run on a daemon started with --ray)", file=sys.stderr)
         return 2
+    ranks = cfg.dist.nnodes * cfg.dist.nproc
     out = args.out or Path("runs") / f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     # torchrun sets RANK in each process it starts; a launcher stands for its node's first rank

@@ -111,16 +111,19 @@ def test_a_resume_where_the_nodes_see_different_checkpoints_is_refused(two_nodes
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "node0:70000"], "argument --rdzv-endpoint"),
     # 4 groups a step split over 1 rank per node, but not over 3 nodes
     (["--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", "node0:29500"],
-     "--nnodes 3 x dist.nproc 1 = 3 ranks: loop.groups_per_step (4) must split evenly over them"),
+     "loop.groups_per_step (4) must split evenly over the 3 ranks (dist.nproc x dist.nnodes)"),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "node0:29500", "--nproc", "4"],
-     "--nnodes 2 x dist.nproc 4 = 8 ranks: loop.groups_per_step (4) must split evenly"),
+     "loop.groups_per_step (4) must split evenly over the 8 ranks"),
+    (["--config-nnodes"], "dist.nnodes is 2: run each node with --nnodes, --node-rank and --rdzv-endpoint"),
 ])
 def test_bad_multi_node_flags_exit_2_naming_the_flag(tmp_path, capsys, flags, problem):
     """In this process (the CLI's own main): nothing starts, no directory is made."""
-    (tmp_path / "run.json").write_text(json.dumps(CONFIG))
+    nnodes = 2 if "--config-nnodes" in flags else 1  # a config that asks for 2 nodes, run without the flags
+    (tmp_path / "run.json").write_text(json.dumps({**CONFIG, "dist": {**CONFIG["dist"], "nnodes": nnodes}}))
     out = [] if "--no-out" in flags else ["--out", str(tmp_path / "out")]
     with pytest.raises(SystemExit) as exit:
-        main(["train", "--config", str(tmp_path / "run.json"), *out, *[f for f in flags if f != "--no-out"]])
+        main(["train", "--config", str(tmp_path / "run.json"), *out,
+              *[f for f in flags if f not in ("--no-out", "--config-nnodes")]])
     assert exit.value.code == 2
     assert problem in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
