@@ -11,7 +11,7 @@ import torch
 from .serving.agents import Agent
 from .algo import masked_mean
 from .chat import Template, parser, run_tools
-from .envs import DEMO_SEEDS, Env, make_env
+from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, make_env
 from .episode import Episode, collate, to_device, token_logprobs
 from .serving.server import AgentServer, template_message
 
@@ -92,6 +92,12 @@ class Rollout:
                 self.observe(ep, result.observation, result.images)
         info["success"] = ep.reward >= env.success_reward
         return [ep]
+
+    async def evaluate(self, sampler, n: int) -> list[Episode]:
+        """n greedy episodes on held-out seeds, the same at every eval; those that failed are left out."""
+        results = await asyncio.gather(*(self.episode(sampler, EVAL_SEEDS + i, -1, 0, greedy=True) for i in range(n)),
+                                       return_exceptions=True)
+        return [e for r in results if isinstance(r, list) for e in r]
 
     @staticmethod
     def scored(ep: Episode, result) -> bool:
