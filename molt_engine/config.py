@@ -214,8 +214,7 @@ class SuiteConfig(_Strict):
 class EvalConfig(_Strict):
     """Evals beside the training env's (loop.eval_every, loop.eval_episodes) and which metric keeps OUT/best."""
     suites: list[SuiteConfig] = Field(default_factory=list, description="envs or datasets also evaluated at every eval")
-    best: str = Field("eval_reward", description="the eval metric whose highest value keeps OUT/best: the training "
-                      "env's (eval_reward, eval_pass_rate, ...) or a suite's (NAME/eval_reward)")
+    best: str = Field("eval_reward", description="eval metric whose best value keeps OUT/best; a suite's: NAME/eval_...")
 
     @model_validator(mode="after")
     def _names(self):

@@ -376,22 +376,20 @@ class Training:
             decoding = tg.create_task(self.eval_sampler.run())
             done = await asyncio.gather(*(rollout.evaluate(self.eval_sampler, n) for _, rollout, n in self.evals))
             decoding.cancel()
-        values = {prefix + k: v for (prefix, _, _), episodes in zip(self.evals, done) if episodes
-                  for k, v in eval_metrics(episodes).items()}
-        if not values:
-            return
-        self.sink.metrics(step, values)
-        if done[0] and hasattr(self.sink, "samples"):  # not a suite's: they would take the same (step, kind, position)
-            self.sink.samples(step, "eval", [record(e, self.processor, version)
-                                             for e in done[0][:self.cfg.record.eval_samples]])
-        self.summary.update(values)
-        best = values.get(self.cfg.eval.best)  # None: this eval's episodes of that env all failed
-        if best is not None and (self.best is None or best > self.best[0]):
-            self.best = (best, step)
-            if self.out_dir:
-                await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.sampler.model,
-                                        self.processor, weights, self.cfg.model.lora)
-                self.summary.update(best_path=str(self.out_dir / "best"), best_step=step)
+        values = {p + k: v for (p, _, _), eps in zip(self.evals, done) if eps for k, v in eval_metrics(eps).items()}
+        if values:  # else every episode failed
+            self.sink.metrics(step, values)
+            if done[0] and hasattr(self.sink, "samples"):  # not a suite's: theirs would reuse its (step, kind, position)
+                self.sink.samples(step, "eval", [record(e, self.processor, version)
+                                                 for e in done[0][:self.cfg.record.eval_samples]])
+            self.summary.update(values)
+            best = values.get(self.cfg.eval.best)  # None: this eval's episodes of that env all failed
+            if best is not None and (self.best is None or best > self.best[0]):
+                self.best = (best, step)
+                if self.out_dir:
+                    await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.sampler.model,
+                                            self.processor, weights, self.cfg.model.lora)
+                    self.summary.update(best_path=str(self.out_dir / "best"), best_step=step)
 
     async def finish(self):
         """Final eval on the final weights, then save them where plain transformers can load them."""
