@@ -77,7 +77,7 @@ class Training:
         self.buffer: list[list[Episode]] = []    # finished groups, not yet trained
         self.breaker, self.alerts = Breaker(cfg.breaker), Alerts(cfg.alerts)
         self.stopping = False
-        self.best: tuple[float, int] | None = None  # (eval reward, step) of the best eval so far
+        self.best: tuple[float, int] | None = None  # (value of cfg.eval.best, step) of the best eval so far
         self.saved_at: int | None = None         # step of the newest checkpoint written or restored
         self.ckpt_dir = self.out_dir / "checkpoints" if self.out_dir else None
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed

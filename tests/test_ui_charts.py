@@ -15,7 +15,7 @@ from conftest import screenshot, wait_until
 # neither rolls back nor ends the run
 SUITES = [{"name": "digits", "env": "max_digit", "episodes": 4}, {"name": "calc", "env": "calculator", "episodes": 4}]
 RUN = {**FAST, "loop": {**FAST["loop"], "steps": 12, "eval_every": 4}, "drills": {"spike_at": [7]},
-       "breaker": {"min_history": 3, "abs_max": 100}, "eval": {"suites": SUITES}}
+       "breaker": {"min_history": 3, "abs_max": 100}, "eval": {"suites": SUITES, "best": "digits/eval_reward"}}
 # names a text run on a CPU records as 0 (chat counters, a suite's too) or never (GPU memory): no chart for them
 CHAT_OR_GPU = re.compile(r"^([^/]+/)?(eval_)?(tool_|template_prefix|agent_|gpu_)")
 
@@ -181,7 +181,7 @@ def test_the_overview_strip_alerts_and_recent_events_come_before_the_charts(fini
     expect(overview.locator("#ov-model")).to_have_text("tiny-dense")
     expect(overview.locator("#ov-elapsed")).to_have_text(re.compile(r"^\d+(m \d+)?s$|^\d+m \d+s$"))
     expect(overview.locator("#ov-eta")).to_have_text("done")
-    evals = series["eval_reward"]
+    evals = series["digits/eval_reward"]  # eval.best: the overview's best eval is that of OUT/best
     best = max(range(len(evals["value"])), key=lambda i: evals["value"][i])
     expect(overview.locator("#ov-best")).to_contain_text(f"at step {evals['step'][best]}")
     expect(overview.locator("#ov-paths")).to_contain_text(f"runs/{run_id}/final")

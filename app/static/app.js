@@ -395,7 +395,7 @@ const Molt = (() => {
       elapsed.textContent = duration(secs);
       const step = Number(document.getElementById("run-step").textContent), total = page.total_steps;
       eta.textContent = page.finished_at ? "done" : step > 0 && step < total ? duration(secs / step * (total - step)) : "—";
-      const evals = store.eval_reward;  // the best eval so far and its step
+      const evals = store[page.best ?? "eval_reward"];  // the best eval so far (of eval.best) and its step
       if (evals && evals.step.length) {
         let best = -1;
         evals.value.forEach((v, i) => { if (Number.isFinite(v) && (best < 0 || v > evals.value[best])) best = i; });
