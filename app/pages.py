@@ -212,7 +212,8 @@ def run_page(request: Request, run_id: int):
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
                   page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],
                         "started_at": run["started_at"], "finished_at": run["finished_at"],
-                        "total_steps": run["total_steps"]})
+                        "total_steps": run["total_steps"],
+                        "best": config.get("eval", {}).get("best", "eval_reward")})  # the metric OUT/best follows
 
 
 @router.get("/runs/{run_id}/samples")

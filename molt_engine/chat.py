@@ -7,8 +7,6 @@ import re
 
 from transformers.utils import get_json_schema
 
-from .envs import resolve
-
 
 def stop_ids(tokenizer, generation_config=None) -> list[int]:
     """The ids a policy turn ends at: eos, the generation config's eos ids, and the chat template's end-of-turn token
@@ -96,11 +94,7 @@ def hermes(text: str) -> tuple[str, list[dict]]:
     return text[:start].strip(), calls
 
 
-PARSERS = {"hermes": hermes}
-
-
-def parser(name: str):
-    return resolve(name, PARSERS, "tool parser")
+PARSERS = {"hermes": hermes}  # or module:function of an env directory (envs.resolve)
 
 
 async def run_tools(tools: dict, calls: list[dict], timeout: float) -> list[tuple[str, str, bool]]:
@@ -119,10 +113,9 @@ async def run_tools(tools: dict, calls: list[dict], timeout: float) -> list[tupl
         except TypeError as e:
             return name, f"error: wrong arguments for {name}: {e}", True
         try:
-            if inspect.iscoroutinefunction(tool):
-                out = await asyncio.wait_for(tool(**arguments), timeout)
-            else:  # in a thread: a slow tool must not block the loop
-                out = await asyncio.wait_for(asyncio.to_thread(tool, **arguments), timeout)
+            # A plain function runs in a thread: a slow tool must not block the loop.
+            running = tool(**arguments) if inspect.iscoroutinefunction(tool) else asyncio.to_thread(tool, **arguments)
+            out = await asyncio.wait_for(running, timeout)
         except TimeoutError:
             return name, f"error: {name} timed out after {timeout:g} s", True
         except Exception as e:

@@ -36,9 +36,7 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None, w
     if reference is not None:
         reference.save_pretrained(tmp / "reference")
     torch.save(state, tmp / "state.pt")
-    _fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)  # a resumed run may write the same step again
-    os.replace(tmp, final)
+    _replace(final, tmp)  # a resumed run may write the same step again
     point_latest(root, final)
     return final
 
@@ -55,14 +53,17 @@ def save_policy(path: Path, model, processor, weights: dict, lora=None):
     if not lora or lora.save_merged:  # merged is a new dict: save_pretrained empties the one it is given
         model.save_pretrained(tmp, state_dict=merged(weights, lora))
     processor.save_pretrained(tmp)
-    _fsync_tree(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    _replace(path, tmp)
 
 
 def point_latest(root: Path, path: Path):
     """Make `latest` name the checkpoint at `path` (atomically, and durably)."""
-    _write_atomically(root / "latest", path.name)
+    tmp = root / f".latest.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(path.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / "latest")
 
 
 def latest(root: Path) -> Path | None:
@@ -111,9 +112,7 @@ def _save_adapter(path: Path, weights: dict, lora, base: str):
 
 def prune(root: Path, keep: int):
     """Keep the newest `keep` checkpoints; also sweep temp dirs left by a crash mid-write."""
-    for tmp in root.glob(".tmp-step-*"):
-        shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    for old in [*root.glob(".tmp-step-*"), *sorted(root.glob("step-*"))[:-keep]]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -121,18 +120,12 @@ def size_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _write_atomically(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_tree(path: Path):
-    # Without it, os.replace can reach the disk before the files' contents do (a power loss, not just a kill).
-    for f in path.rglob("*"):
+def _replace(path: Path, tmp: Path):
+    """Put the directory written at `tmp` in the place of `path`, whole."""
+    # Synced first: else os.replace can reach the disk before the files' contents do (a power loss, not just a kill).
+    for f in tmp.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)

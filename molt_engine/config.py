@@ -194,6 +194,40 @@ class DistConfig(_Strict):
                              "the attempt ends (the daemon restarts it from the checkpoint)")
 
 
+class SuiteConfig(_Strict):
+    """One more env (or dataset) evaluated beside the training env's eval, its metrics prefixed `NAME/`."""
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="its metrics' prefix: NAME/eval_reward, ...")
+    env: str
+    env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
+    episodes: int | None = Field(None, gt=0, description="greedy episodes per eval; None = loop.eval_episodes")
+
+    @field_validator("env")
+    @classmethod
+    def _known_env(cls, v):
+        from .envs import ENVS
+        from .serving.agents import Agent
+        if issubclass(ENVS[RunConfig._known_env(v)], Agent):
+            raise ValueError(f"env {v!r} is an agent, which needs the run's served endpoint: not in eval suites")
+        return v
+
+
+class EvalConfig(_Strict):
+    """Evals beside the training env's (loop.eval_every, loop.eval_episodes) and which metric keeps OUT/best."""
+    suites: list[SuiteConfig] = Field(default_factory=list, description="envs or datasets also evaluated at every eval")
+    best: str = Field("eval_reward", description="eval metric whose best value keeps OUT/best; a suite's: NAME/eval_...")
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = [s.name for s in self.suites]
+        if len(set(names)) < len(names):
+            raise ValueError(f"suite names must be unique, got {names}")
+        suite, _, metric = self.best.rpartition("/")
+        if not metric.startswith("eval_") or suite and suite not in names:
+            raise ValueError(f"best {self.best!r} is not an eval metric of the training env (eval_...) or of "
+                             f"a suite (NAME/eval_..., suites: {', '.join(names) or 'none'})")
+        return self
+
+
 class RunConfig(_Strict):
     env: str
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
@@ -209,6 +243,7 @@ class RunConfig(_Strict):
     drills: DrillsConfig = Field(default_factory=DrillsConfig)
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @field_validator("env")
     @classmethod
@@ -261,6 +296,15 @@ class RunConfig(_Strict):
         except Exception as e:  # a user's constructor: say where it failed
             file = inspect.getsourcefile(ENVS[self.env]) or "?"
             raise ValueError(f"env {self.env!r} failed to start: {where(e, file)}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _suites_start(self):
+        for i, suite in enumerate(self.eval.suites):  # the training env's checks, on each suite's env
+            try:
+                self.model_copy(update={"env": suite.env, "env_args": suite.env_args})._consistent()
+            except ValueError as e:
+                raise ValueError(f"eval.suites.{i} ({suite.name}): {e}") from None
         return self
 
 

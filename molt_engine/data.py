@@ -22,26 +22,21 @@ def _number(text: str | None) -> float | None:
         return None
 
 
-def _last_number(text: str) -> float | None:
-    found = NUMBER.findall(text)
-    return _number(found[-1]) if found else None
-
-
 def exact(completion: str, answer: str, **columns) -> float:
     return float(completion.strip() == str(answer).strip())
 
 
 def numeric(completion: str, answer: str, **columns) -> float:
     """The last number of the completion equals the answer's."""
-    value = _last_number(completion)
+    found = NUMBER.findall(completion)
+    value = _number(found[-1]) if found else None
     return float(value is not None and value == _number(str(answer)))
 
 
 def gsm8k(completion: str, answer: str, **columns) -> dict:
     """Strict: the number after `####` equals the answer (the reward); flexible: the last number does (a metric)."""
     strict = STRICT.search(completion)
-    reference = _number(str(answer))
-    score = float(strict is not None and _number(strict.group(1)) == reference)
+    score = float(strict is not None and _number(strict.group(1)) == _number(str(answer)))
     return {"reward": score, "accuracy_strict": score, "accuracy_flexible": numeric(completion, answer)}
 
 

@@ -103,10 +103,8 @@ class EnvLoadError(ImportError):
 
 def where(e: BaseException, file: str) -> str:
     """`file:line: Type: message`, at the deepest line of `file` the error came through (a user's own code)."""
-    if isinstance(e, SyntaxError) and e.filename == file:
-        line = e.lineno
-    else:
-        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == file), "?")
+    line = e.lineno if isinstance(e, SyntaxError) and e.filename == file else next(
+        (f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == file), "?")
     return f"{file}:{line}: {type(e).__name__}: {e}"
 
 
@@ -117,9 +115,8 @@ def load_agents_dir(path) -> list[str]:
     errors = {}
     for file in sorted(Path(path).resolve().glob("*.py")):
         module_name = f"molt_agents.{file.stem}"
-        loaded = sys.modules.get(module_name)
         # A daemon may load the same directory for every run; re-running it would re-register.
-        if loaded is not None and getattr(loaded, "__file__", None) == str(file):
+        if getattr(sys.modules.get(module_name), "__file__", None) == str(file):
             continue
         spec = importlib.util.spec_from_file_location(module_name, file)
         module = importlib.util.module_from_spec(spec)
@@ -234,22 +231,17 @@ class Calculator(Env):
         self.tool_latency_ms, self.tail_prob, self.tail_ms = tool_latency_ms, tail_prob, tail_ms
         self.max_operand, self.max_second = max_operand, max_second
 
-    def _question(self, rng: random.Random) -> tuple[int, str, int]:
-        return calculator_question(rng, self.max_operand, self.max_second)[:3]
-
     async def reset(self, seed: int) -> Observation:
         # The same generator then draws the latency tails, so slow calls are reproducible per seed.
         self._rng = random.Random(seed)
-        a, op, b = self._question(self._rng)
-        self._answer = _OPS[op](a, b)
+        a, op, b, self._answer = calculator_question(self._rng, self.max_operand, self.max_second)
         return Observation(f"Q {a}{op}{b}\n")
 
     async def step(self, action: str) -> Result:
         action = action.strip()
         if not action.startswith("calc"):
             return _final(_parse_int(action) == self._answer)
-        slow = self._rng.random() < self.tail_prob
-        latency_ms = self.tail_ms if slow else self.tool_latency_ms
+        latency_ms = self.tail_ms if self._rng.random() < self.tail_prob else self.tool_latency_ms
         if latency_ms > 0:
             await asyncio.sleep(latency_ms / 1000)
         call = _TOOL_CALL.fullmatch(action)
@@ -259,8 +251,8 @@ class Calculator(Env):
         return Result(reward=0.0, observation=f"={_OPS[op](int(a), int(b))}\n", info={"tool_call": True})
 
     def demonstration(self, seed: int) -> list[str]:
-        a, op, b = self._question(random.Random(seed))
-        return [f"calc {a}{op}{b}", str(_OPS[op](a, b))]
+        a, op, b, value = calculator_question(random.Random(seed), self.max_operand, self.max_second)
+        return [f"calc {a}{op}{b}", str(value)]
 
 
 def calculator_question(rng: random.Random, max_operand: int = 99, max_second: int = 99) -> tuple[int, str, int, int]:
@@ -358,13 +350,10 @@ class GuessNumber(Env):
 
     async def step(self, action: str) -> Result:
         guess = _parse_int(action)
-        if guess is None:
-            return Result(reward=0.0, observation="?\n")
-        if guess < self._secret_number:
-            return Result(reward=0.0, observation="higher\n")
-        if guess > self._secret_number:
-            return Result(reward=0.0, observation="lower\n")
-        return _final(True)
+        if guess == self._secret_number:
+            return _final(True)
+        return Result(reward=0.0, observation="?\n" if guess is None else "higher\n" if guess < self._secret_number
+                      else "lower\n")
 
     def demonstration(self, seed: int) -> list[str]:
         # Binary search: ceil(log2(high + 1)) guesses at most, 5 for the default 1-16.
@@ -414,13 +403,10 @@ class Shapes(Env):
         image = Image.new("RGB", (32, 32))
         draw = ImageDraw.Draw(image)
         for x, y in corners:  # each shape fits a 12x12 box inside its 16x16 quadrant
-            box = (x, y, x + 11, y + 11)
-            if shape == "circle":
-                draw.ellipse(box, fill=COLOURS[colour])
-            elif shape == "square":
-                draw.rectangle(box, fill=COLOURS[colour])
-            else:
+            if shape == "triangle":
                 draw.polygon([(x + 5.5, y), (x, y + 11), (x + 11, y + 11)], fill=COLOURS[colour])
+            else:
+                (draw.ellipse if shape == "circle" else draw.rectangle)((x, y, x + 11, y + 11), fill=COLOURS[colour])
         return image
 
     @staticmethod
@@ -432,13 +418,11 @@ class Shapes(Env):
         return f"<image>{scene[3]}?\n", [self.render(*scene[:3])]
 
     async def reset(self, seed: int) -> Observation:
-        self._episode_scenes, self._turn, self._correct = self._scenes(seed), 0, 0
-        text, images = self._observe(self._episode_scenes[0])
-        return Observation(text, images)
+        self._episode_scenes, self._turn = self._scenes(seed), 0
+        return Observation(*self._observe(self._episode_scenes[0]))
 
     async def step(self, action: str) -> Result:
         correct = action.strip().lower() == self._answer(self._episode_scenes[self._turn])
-        self._correct += correct
         self._turn += 1
         reward = float(correct) / self.max_turns
         if self._turn == self.max_turns:

@@ -39,7 +39,6 @@ class Episode:
         with the log-prob, version, entropy and experts of each as it was drawn. Nothing else a policy turn adds (a
         forced opening, a stop string's tail, a template's delta) is an action. Only eval episodes decode greedily,
         and they are never trained."""
-        n = len(req.ids) if n is None else n
         self.extend(req.ids[:n], action=True, logprobs=req.logprobs[:n], versions=req.versions[:n],
                     experts=req.experts[:n], entropies=req.entropies[:n])
 

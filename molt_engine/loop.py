@@ -21,7 +21,6 @@ from .algo import GROUP_ESTIMATORS
 from .breaker import Breaker
 from .chat import stop_ids
 from .config import RunConfig
-from .envs import EVAL_SEEDS
 from .episode import Episode
 from .models import load_policy, merged, routers
 from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
@@ -60,8 +59,11 @@ class Training:
             router.requires_grad_(False)
         self.pad_id = self.tokenizer.pad_token_id
         self.stops = stop_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-        self.rollout = Rollout(cfg, self.processor, self.model.config.get_text_config().max_position_embeddings,
-                               self.stops)
+        limit = self.model.config.get_text_config().max_position_embeddings
+        self.rollout = Rollout(cfg, self.processor, limit, self.stops)
+        self.evals = [("", self.rollout, cfg.loop.eval_episodes)] + [  # each eval's (metric prefix, rollout, episodes)
+            (f"{s.name}/", Rollout(cfg.model_copy(update={"env": s.env, "env_args": s.env_args}), self.processor,
+                                   limit, self.stops), s.episodes or cfg.loop.eval_episodes) for s in cfg.eval.suites]
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
         self.reference = None                    # frozen initial policy, only when the KL term is on
         self.sampler: Sampler | None = None      # made after the warm start, from a copy of the weights
@@ -75,7 +77,7 @@ class Training:
         self.buffer: list[list[Episode]] = []    # finished groups, not yet trained
         self.breaker, self.alerts = Breaker(cfg.breaker), Alerts(cfg.alerts)
         self.stopping = False
-        self.best: tuple[float, int] | None = None  # (eval reward, step) of the best eval so far
+        self.best: tuple[float, int] | None = None  # (value of cfg.eval.best, step) of the best eval so far
         self.saved_at: int | None = None         # step of the newest checkpoint written or restored
         self.ckpt_dir = self.out_dir / "checkpoints" if self.out_dir else None
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
@@ -366,25 +368,24 @@ class Training:
                 "sampler_occupancy": s["rows"] / max(s["steps"], 1) / self.capacity, **counts}
 
     async def evaluate(self, step: int):
-        """Greedy episodes on held-out seeds, all of one version (on the eval sampler), never in the buffer or
-        admission. When the reward is the best so far, the evaluated weights are written to OUT/best."""
-        n, weights, version = self.cfg.loop.eval_episodes, self.published, self.version
+        """Greedy episodes on held-out seeds of the training env and each eval suite, all of one version (on the eval
+        sampler), never in the buffer or admission. When eval.best is the best so far, the weights go to OUT/best."""
+        weights, version = self.published, self.version
         self.eval_sampler.publish(merged(weights, self.cfg.model.lora), version)  # swapped in before it decodes
         async with asyncio.TaskGroup() as tg:  # its decoding fails the eval; it ends with the eval's episodes
             decoding = tg.create_task(self.eval_sampler.run())
-            runs = (self.rollout.episode(self.eval_sampler, EVAL_SEEDS + i, -1, 0, greedy=True) for i in range(n))
-            results = await asyncio.gather(*runs, return_exceptions=True)
+            done = await asyncio.gather(*(rollout.evaluate(self.eval_sampler, n) for _, rollout, n in self.evals))
             decoding.cancel()
-        episodes = [e for r in results if isinstance(r, list) for e in r]
-        if episodes:
-            values = eval_metrics(episodes)
+        values = {p + k: v for (p, _, _), eps in zip(self.evals, done) if eps for k, v in eval_metrics(eps).items()}
+        if values:  # else every episode failed
             self.sink.metrics(step, values)
-            if hasattr(self.sink, "samples"):
+            if done[0] and hasattr(self.sink, "samples"):  # not a suite's: theirs would reuse its (step, kind, position)
                 self.sink.samples(step, "eval", [record(e, self.processor, version)
-                                                 for e in episodes[:self.cfg.record.eval_samples]])
+                                                 for e in done[0][:self.cfg.record.eval_samples]])
             self.summary.update(values)
-            if self.best is None or values["eval_reward"] > self.best[0]:
-                self.best = (values["eval_reward"], step)
+            best = values.get(self.cfg.eval.best)  # None: this eval's episodes of that env all failed
+            if best is not None and (self.best is None or best > self.best[0]):
+                self.best = (best, step)
                 if self.out_dir:
                     await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.sampler.model,
                                             self.processor, weights, self.cfg.model.lora)

@@ -16,16 +16,14 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 IMAGE_TOKEN = "<image>"
 
 # Architectures only; sizes are chosen so that a CPU learns the built-in envs in minutes.
+_DENSE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              tie_word_embeddings=True, pad_token_id=0, bos_token_id=None)  # the text presets' (MoE: attention, embeddings)
 PRESETS = {
-    "tiny-dense": lambda vocab: LlamaConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None),
+    "tiny-dense": lambda vocab: LlamaConfig(vocab_size=vocab, max_position_embeddings=512, eos_token_id=1, **_DENSE),
     # 8 experts, top-2, about 1.07M parameters; an expert is small, so a step costs about what tiny-dense costs.
     "tiny-moe": lambda vocab: Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None),
+        vocab_size=vocab, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, eos_token_id=1, **_DENSE),
     # The tiny-dense text model behind a 2-layer CLIP tower: a 32x32 image is 4 patches of 16x16, i.e. 4 tokens
     # ("default" strategy drops CLS), one per quadrant of the shapes env. The image placeholder is one token past
     # the char vocabulary.
@@ -36,10 +34,7 @@ PRESETS = {
         vision_feature_select_strategy="default", vision_feature_layer=-1, tie_word_embeddings=True),
     # tiny-dense's size as a Qwen2 (attention biases), for the byte-level BPE chat tokenizer; longer context for the
     # chat template's tool preamble. Its ids: 0 <|endoftext|> (pad), 1 <|im_start|>, 2 <|im_end|> (eos, end of turn).
-    "tiny-chat": lambda vocab: Qwen2Config(
-        vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True,
-        pad_token_id=0, eos_token_id=2, bos_token_id=None),
+    "tiny-chat": lambda vocab: Qwen2Config(vocab_size=vocab, max_position_embeddings=1024, eos_token_id=2, **_DENSE),
 }
 
 # Qwen2.5's template, less its default system prompt: ChatML turns, tools in the system turn, Hermes-style calls
@@ -101,10 +96,9 @@ def device_of(model_cfg) -> torch.device:
 def chat_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE (Qwen2's pre-tokenizer) trained in code on text of the built-in chat envs, with CHAT_TEMPLATE.
     The corpus and the trainer are deterministic, so the ids are the same on every machine; any text encodes (bytes)."""
-    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_chat_bpe()), pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_chat_bpe()), pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"],
+                                   chat_template=CHAT_TEMPLATE)
 
 
 @functools.cache  # a few seconds: once per process
@@ -139,16 +133,14 @@ def load_policy(model_cfg, seed: int):
         processor = chat_tokenizer() if model_cfg.preset == "tiny-chat" else char_tokenizer()
         config = PRESETS[model_cfg.preset](len(processor))
         torch.manual_seed(seed)
-        if hasattr(config, "vision_config"):
+        if vision := hasattr(config, "vision_config"):
             processor.add_tokens([IMAGE_TOKEN], special_tokens=True)  # id len(char vocab), as the preset expects
             size = config.vision_config.image_size
             processor = LlavaProcessor(
                 image_processor=CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size}),
                 tokenizer=processor, patch_size=config.vision_config.patch_size, image_token=IMAGE_TOKEN,
                 vision_feature_select_strategy=config.vision_feature_select_strategy, num_additional_image_tokens=1)
-            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-        else:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
         model.name_or_path = f"preset {model_cfg.preset} (seed {seed})"  # what a LoRA checkpoint names as its base
     if lora := model_cfg.lora:  # only the adapters train: all else, the vision tower included, is frozen unless targeted
         text = next(name for name, m in model.named_modules() if m is model.get_decoder())

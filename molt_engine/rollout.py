@@ -10,8 +10,8 @@ import torch
 
 from .serving.agents import Agent
 from .algo import masked_mean
-from .chat import Template, parser, run_tools
-from .envs import DEMO_SEEDS, Env, make_env
+from .chat import PARSERS, Template, run_tools
+from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, make_env, resolve
 from .episode import Episode, collate, to_device, token_logprobs
 from .serving.server import AgentServer, template_message
 
@@ -34,13 +34,12 @@ class Rollout:
     the sampling. `stops`: the ids a policy turn ends at."""
 
     def __init__(self, cfg, processor, context_limit: int, stops: list[int]):
-        self.cfg, self.processor = cfg, processor
+        self.cfg, self.processor, self.stops, self.context_limit = cfg, processor, stops, context_limit
         self.tokenizer = getattr(processor, "tokenizer", processor)  # a VLM's processor wraps it
-        self.eos_id, self.stops = self.tokenizer.eos_token_id, stops
-        self.context_limit = context_limit
+        self.eos_id = self.tokenizer.eos_token_id
         env = make_env(cfg.env, cfg.env_args)
         self.template = Template(self.tokenizer, env.tools, stops) if env.chat else None
-        self.parse = parser(cfg.model.tool_parser)
+        self.parse = resolve(cfg.model.tool_parser, PARSERS, "tool parser")
         self.notes, self.tools, self.server = list(env.notes), {}, None
         self.demonstrates = type(env).demonstration not in (Env.demonstration, Agent.demonstration)
         if isinstance(env, Agent):  # its requests come to a loopback OpenAI server (Training runs `server.serve`)
@@ -92,6 +91,12 @@ class Rollout:
                 self.observe(ep, result.observation, result.images)
         info["success"] = ep.reward >= env.success_reward
         return [ep]
+
+    async def evaluate(self, sampler, n: int) -> list[Episode]:
+        """n greedy episodes on held-out seeds, the same at every eval; those that failed are left out."""
+        results = await asyncio.gather(*(self.episode(sampler, EVAL_SEEDS + i, -1, 0, greedy=True) for i in range(n)),
+                                       return_exceptions=True)
+        return [e for r in results if isinstance(r, list) for e in r]
 
     @staticmethod
     def scored(ep: Episode, result) -> bool:

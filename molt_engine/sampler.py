@@ -47,8 +47,7 @@ class Sampler:
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
-        self.pad_id, self.temperature = pad_id, temperature
-        self.version = version
+        self.pad_id, self.temperature, self.version = pad_id, temperature, version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
         self.active: list[Request] = []    # in generation, each on a row of the cache
         self.cache = None                  # DynamicCache, one row per distinct sequence of the active requests, left-padded
@@ -157,14 +156,13 @@ class Sampler:
                 gumbel[i] = -torch.log(-torch.log(uniform))
         tokens = (logp + gumbel).argmax(-1)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
-        for req, token, lp, h in zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist()):
+        for i, (req, token, lp, h) in enumerate(zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist())):
             req.ids.append(token)
             req.logprobs.append(lp)
             req.versions.append(self.version)
             req.entropies.append(h)
             if routes:
                 req.experts.append(routes[req.row])
-        for i, req in enumerate(reqs):
             if req.top:
                 values, ids = logp[i].topk(req.top)
                 req.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))

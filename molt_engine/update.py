@@ -38,8 +38,7 @@ def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, st
         # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
         optimizer.zero_grad(set_to_none=True)
         dist.load_weights(model, published)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
         micro_batch_size, first_try = max(1, largest // 2), False
 
 
@@ -181,10 +180,8 @@ def _logprobs(model, batch: dict, cfg, stats: bool) -> tuple[torch.Tensor, torch
         router.replay = routes if cfg.algo.routing_replay else torch.full_like(routes, -1)
     try:
         logp = token_logprobs(model, batch, cfg.loop.temperature)
-        aux, moe_metrics = (0.0, {})
-        if moe and stats:
-            aux, moe_metrics = routing_stats(moe, batch["attention_mask"], batch["routes"],
-                                             F.pad(batch["action_mask"], (0, 1)))
+        aux, moe_metrics = routing_stats(moe, batch["attention_mask"], batch["routes"],
+                                         F.pad(batch["action_mask"], (0, 1))) if moe and stats else (0.0, {})
     finally:
         for router in moe:  # the logits hold the autograd graph: a model holding them can't be deep-copied
             router.replay = router.logits = None

@@ -1,10 +1,12 @@
-"""Run-config defaults that depend on the run (model.path, GSPO), the renamed alert threshold, and the CLI's merge."""
+"""Run-config defaults that depend on the run (model.path, GSPO), the renamed alert threshold, the CLI's merge, and
+eval suites (validation; a short run whose suites report under their prefixes and pick OUT/best)."""
 import json
 
 import pytest
 
 from app.cli import main
-from molt_engine import RunConfig
+from molt_engine import RunConfig, train
+from molt_engine.config import ValidationError, config_errors
 from molt_engine.alerts import Alerts
 
 CHECKPOINT = {"preset": None, "path": "/models/some-checkpoint"}  # validating a config never opens the directory
@@ -64,3 +66,62 @@ def test_cli_model_flags_pick_the_policy_and_keep_the_configs_other_model_settin
     model = molt_train(tmp_path / "path", "--model-path", str(tmp_path / "preset" / "final"))
     assert (model["preset"], model["path"]) == (None, str(tmp_path / "preset" / "final"))
     assert (model["dtype"], model["device"], model["dropout"]) == ("bfloat16", "cpu", True)
+
+
+def errors(**sections) -> list[str]:
+    with pytest.raises(ValidationError) as e:
+        config(**sections)
+    return config_errors(e.value)
+
+
+def test_eval_suites_are_validated_like_the_training_env_with_the_field_named():
+    two = config(eval={"suites": [{"name": "digits", "env": "max_digit", "episodes": 3},
+                                  {"name": "calc.v1", "env": "calculator", "env_args": {"max_operand": 20}}],
+                       "best": "calc.v1/eval_pass_rate"})
+    assert [s.name for s in two.eval.suites] == ["digits", "calc.v1"] and config().eval.best == "eval_reward"
+    assert errors(eval={"suites": [{"name": "x", "env": "nope"}]})[0].startswith("eval.suites.0.env: unknown env 'nope'")
+    assert errors(eval={"suites": [{"name": "x", "env": "calculator", "env_args": {"max_operand": 1}}]}) == [
+        "config: eval.suites.0 (x): env_args: calculator: max_operand must be in [10, 999999] and max_second in "
+        "[2, 999999]"]
+    assert "got unknown args: typo" in errors(eval={"suites": [{"name": "x", "env": "max_digit",
+                                                               "env_args": {"typo": 1}}]})[0]
+    assert "no chat template" in errors(eval={"suites": [{"name": "x", "env": "chat_calculator"}]})[0]
+    [agent] = errors(eval={"suites": [{"name": "x", "env": "calculator_agent"}]})
+    assert agent.startswith("eval.suites.0.env: env 'calculator_agent' is an agent, which needs the run's served")
+    assert errors(eval={"suites": [{"name": "a/b", "env": "max_digit"}]})[0].startswith("eval.suites.0.name:")
+    assert errors(eval={"suites": [{"name": "x", "env": "max_digit", "episodes": 0}]})[0].startswith(
+        "eval.suites.0.episodes:")
+    assert errors(eval={"suites": [{"name": "x", "env": "max_digit"}, {"name": "x", "env": "calculator"}]}) == [
+        "eval: suite names must be unique, got ['x', 'x']"]
+    for best in ("y/eval_reward", "x/reward_mean", "reward_mean"):
+        assert errors(eval={"suites": [{"name": "x", "env": "max_digit"}], "best": best})[0].startswith(
+            f"eval: best {best!r} is not an eval metric"), best
+
+
+class Metrics:
+    def __init__(self):
+        self.steps = {}
+
+    def metrics(self, step, values):
+        self.steps.setdefault(step, {}).update(values)
+
+    def __getattr__(self, name):  # events, alerts, checkpoints: not looked at here
+        return lambda *args, **kwargs: None
+
+
+def test_two_eval_suites_report_under_their_prefixes_at_every_eval_and_best_follows_the_chosen_one(tmp_path):
+    sink = Metrics()
+    summary = train({"env": "max_digit", "loop": {"steps": 6, "groups_per_step": 2, "group_size": 2, "eval_every": 2,
+                                                   "eval_episodes": 4}, "warm_start": {"steps": 40},
+                     "checkpoint": {"every": 0},
+                     "eval": {"suites": [{"name": "calc", "env": "calculator", "episodes": 3},
+                                         {"name": "digits", "env": "max_digit", "episodes": 12}],
+                              "best": "digits/eval_reward"}}, sink, tmp_path)
+    evals = {step: values for step, values in sink.steps.items() if "eval_reward" in values}
+    assert sorted(evals) == [0, 2, 4, 6]
+    for values in evals.values():
+        for suite in ("calc", "digits"):
+            assert {f"{suite}/eval_reward", f"{suite}/eval_pass_rate", f"{suite}/eval_tool_call_rate"} <= set(values)
+        assert {name.split("/")[0] for name in values if "/" in name} == {"calc", "digits"}
+    chosen = [evals[step]["digits/eval_reward"] for step in sorted(evals)]
+    assert summary["best_step"] == sorted(evals)[chosen.index(max(chosen))] and (tmp_path / "best").is_dir()

@@ -1,7 +1,8 @@
 """The run page in Chromium on one finished small run (`molt serve`, real training, evals and a breaker trip): every
 recorded metric charted in its section, a filter box, readable charts (axis titles, x name in the legend, one legend
 entry per line, sparse series with points, per-chart log scale and smoothing, flat ranges, synced hover, elapsed x,
-the trip marker), and the overview strip with alerts and recent events above the charts."""
+the trip marker), two eval suites charted apart in their own section, and the overview strip with alerts and recent
+events above the charts."""
 import re
 
 import pytest
@@ -10,12 +11,13 @@ from playwright.sync_api import expect
 from app_support import FAST, serve
 from conftest import screenshot, wait_until
 
-# evals every 4 steps; one gradient spike (step 7, over abs_max) trips the breaker once, which neither rolls back nor
-# ends the run
+# evals every 4 steps, with two eval suites; one gradient spike (step 7, over abs_max) trips the breaker once, which
+# neither rolls back nor ends the run
+SUITES = [{"name": "digits", "env": "max_digit", "episodes": 4}, {"name": "calc", "env": "calculator", "episodes": 4}]
 RUN = {**FAST, "loop": {**FAST["loop"], "steps": 12, "eval_every": 4}, "drills": {"spike_at": [7]},
-       "breaker": {"min_history": 3, "abs_max": 100}}
-# names a text run on a CPU records as 0 (chat counters) or never (GPU memory): no chart for them
-CHAT_OR_GPU = re.compile(r"^(eval_)?(tool_|template_prefix|agent_|gpu_)")
+       "breaker": {"min_history": 3, "abs_max": 100}, "eval": {"suites": SUITES, "best": "digits/eval_reward"}}
+# names a text run on a CPU records as 0 (chat counters, a suite's too) or never (GPU memory): no chart for them
+CHAT_OR_GPU = re.compile(r"^([^/]+/)?(eval_)?(tool_|template_prefix|agent_|gpu_)")
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,28 @@ def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_th
 
 def plot(page, name: str, expression: str):
     return page.evaluate(f"(() => {{ const u = document.getElementById('chart-{name}').plot; return {expression}; }})()")
+
+
+def test_two_eval_suites_chart_separately_in_their_own_section(finished, page):
+    _, _, series = finished
+    open_run(page, finished)
+    section = page.locator("#section-suites")
+    expect(section.locator("h2")).to_have_text("Eval suites")
+    for metric in ("eval_reward", "eval_pass_rate"):
+        for suite in ("digits", "calc"):
+            chart = section.locator(f'[id="chart-{suite}/{metric}"]')
+            expect(chart).to_be_visible()
+            assert chart.get_attribute("data-metrics") == f"{suite}/{metric}"  # one suite per chart
+            assert series[f"{suite}/{metric}"]["step"] == [0, 4, 8, 12] == series[metric]["step"]  # at every eval
+            expect(chart).to_have_attribute("data-points", "4")
+    # every charted suite metric in this section, none of the training env's
+    in_section = set(page.evaluate("""[...document.querySelectorAll('#section-suites .chart')]
+                                      .filter((c) => c.offsetParent !== null)
+                                      .flatMap((c) => (c.dataset.metrics || '').split(' ').filter(Boolean))"""))
+    assert in_section == {n for n in visible_metrics(page) if "/" in n} >= {"digits/eval_reward", "calc/eval_reward"}
+    expect(page.locator('#section-reward [id="chart-eval_reward"]')).to_be_visible()
+    # the suites' section comes right after the reward section
+    assert page.evaluate("document.getElementById('section-reward').nextElementSibling.id") == "section-suites"
 
 
 def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_series_and_synced_hover(finished, page):
@@ -157,7 +181,7 @@ def test_the_overview_strip_alerts_and_recent_events_come_before_the_charts(fini
     expect(overview.locator("#ov-model")).to_have_text("tiny-dense")
     expect(overview.locator("#ov-elapsed")).to_have_text(re.compile(r"^\d+(m \d+)?s$|^\d+m \d+s$"))
     expect(overview.locator("#ov-eta")).to_have_text("done")
-    evals = series["eval_reward"]
+    evals = series["digits/eval_reward"]  # eval.best: the overview's best eval is that of OUT/best
     best = max(range(len(evals["value"])), key=lambda i: evals["value"][i])
     expect(overview.locator("#ov-best")).to_contain_text(f"at step {evals['step'][best]}")
     expect(overview.locator("#ov-paths")).to_contain_text(f"runs/{run_id}/final")

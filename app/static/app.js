@@ -8,6 +8,7 @@ const Molt = (() => {
   // metric's chart instead: the breaker's threshold and trips join grad_norm, tokens/s joins samples/s on a labelled
   // second axis, and each MoE layer's expert shares make one chart.
   const SECTIONS = [
+    ["suites", "Eval suites", /\//],  // eval.suites: NAME/eval_reward, ...
     ["moe", "MoE", /^(moe_|expert_share_|routing_)/],
     ["agent", "Agent", /^(agent_|segments_per_episode|sampling_overrides)/],
     ["memory", "Memory", /(_gb$|_mem_|^rss)/],
@@ -19,8 +20,8 @@ const Molt = (() => {
     ["other", "Other", /./],
   ];
   const JOINS = {breaker_threshold: "grad_norm", breaker_tripped: "grad_norm", tokens_per_s: "samples_per_s"};
-  // chat, agent and GPU counters are recorded as 0 by runs that have none: no data unless one is non-zero
-  const ONLY_NONZERO = /^(eval_)?(tool_|template_prefix|agent_|gpu_)|^(segments_per_episode|sampling_overrides)$/;
+  // chat, agent and GPU counters (an eval suite's too) are recorded as 0 by runs that have none: no data unless one is non-zero
+  const ONLY_NONZERO = /^([^/]+\/)?(eval_)?(tool_|template_prefix|agent_|gpu_)|^(segments_per_episode|sampling_overrides)$/;
   const UNITS = [[/_gb$/, "GB"], [/^samples_per_s$/, "samples/s"], [/^tokens_per_s$/, "tokens/s"],
                  [/staleness/, "versions"], [/response_length/, "tokens"], [/^lr$/, "learning rate"],
                  [/(_rate|_ratio|_fraction|_share|share_l\d+_e\d+)$|accuracy/, "fraction"]];
@@ -318,7 +319,7 @@ const Molt = (() => {
     const state = window.__molt = {alerts: [], messages: 0, connects: 0, pageLoadedAt: Date.now(), charts};
     const container = document.getElementById("charts");
     const sections = {};
-    const order = ["reward", "loss", "staleness", "throughput", "memory", "env", "agent", "moe", "other"];
+    const order = ["reward", "suites", "loss", "staleness", "throughput", "memory", "env", "agent", "moe", "other"];
     for (const [id, title] of [...SECTIONS].sort((a, b) => order.indexOf(a[0]) - order.indexOf(b[0]))) {
       const el = sections[id] = document.createElement("section");
       el.className = "chart-section"; el.id = `section-${id}`; el.hidden = true;
@@ -394,7 +395,7 @@ const Molt = (() => {
       elapsed.textContent = duration(secs);
       const step = Number(document.getElementById("run-step").textContent), total = page.total_steps;
       eta.textContent = page.finished_at ? "done" : step > 0 && step < total ? duration(secs / step * (total - step)) : "—";
-      const evals = store.eval_reward;  // the best eval so far and its step
+      const evals = store[page.best ?? "eval_reward"];  // the best eval so far (of eval.best) and its step
       if (evals && evals.step.length) {
         let best = -1;
         evals.value.forEach((v, i) => { if (Number.isFinite(v) && (best < 0 || v > evals.value[best])) best = i; });
