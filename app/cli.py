@@ -54,7 +54,7 @@ def main(argv=None):
     s.add_argument("--gpus", help="comma-separated GPU ids the daemon gives its runs, e.g. 0,1; '' = none "
                                   "(default: every visible GPU)")
     s.add_argument("--ray", metavar="ADDRESS", help="place runs on this Ray cluster (auto, or HOST:PORT) instead of "
-                                                    "this machine: pip install molt-studio[ray]")
+                                                    "this machine")
     s.add_argument("--stop-grace", type=float, default=STOP_GRACE,
                    help=f"on Ctrl-C, seconds the running workers get to checkpoint and stop (default {STOP_GRACE:g})")
     s.add_argument("--keep-daemon", action="store_true",

@@ -11,7 +11,6 @@ from sqlmodel import Session
 
 from daemon import evals
 from daemon.evals import EvalInvalid, EvalRequest
-from daemon.models import Sample
 from daemon.records import Records
 
 from .rest import _problem, authenticated, known_query, records_of, sample_filters
@@ -106,10 +105,7 @@ def eval_samples(request: Request, eval_id: EvalId, filters: Annotated[dict, Dep
         return {"run_id": run_id, "samples": [], "next_cursor": None, "total": 0}
     with Session(engine) as s:
         total = s.scalar(select(func.count()).select_from(query.subquery()))
-        if cursor is not None:
-            query = query.where(Sample.id < cursor if order == "newest" else Sample.id > cursor)
-        rows = [r.model_dump() for r in s.scalars(
-            query.order_by(Sample.id.desc() if order == "newest" else Sample.id).limit(limit))]
+        rows = Records.sample_page(s, query, limit, cursor, order == "newest")
     return {"run_id": run_id, "samples": rows, "next_cursor": rows[-1]["id"] if len(rows) == limit else None,
             "total": total}
 
@@ -132,8 +128,7 @@ def eval_samples_jsonl(request: Request, eval_id: EvalId, filters: Annotated[dic
         cursor = -1
         while engine is not None:
             with Session(engine) as s:
-                rows = [r.model_dump() for r in s.scalars(query.where(Sample.id > cursor).order_by(Sample.id)
-                                                          .limit(200))]
+                rows = Records.sample_page(s, query, 200, cursor)
             if not rows:
                 return
             yield "".join(SampleOut.model_validate(r).model_dump_json() + "\n" for r in rows)

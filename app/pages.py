@@ -200,10 +200,12 @@ def run_page(request: Request, run_id: int):
     run = get_run_or_404(request, run_id)
     config = run["config"]
     out = request.app.state.records.run_dir(run_id)
-    # The policy's parameter counts, from the engine's device event (each attempt sends one; the newest counts)
-    device = ([{}] + [e["data"] for e in request.app.state.records.events(run_id, kind="device")])[-1]
+
+    def newest(kind: str) -> dict:  # the newest event of that kind's data: each attempt sends one
+        return ([{}] + [e["data"] for e in request.app.state.records.events(run_id, kind=kind)])[-1]
+    device = newest("device")  # the policy's parameter counts, from the engine
     trainable, total = device.get("trainable"), device.get("parameters")
-    ray = ([{}] + [e["data"] for e in request.app.state.records.events(run_id, kind="ray")])[-1].get("dashboard")
+    ray = newest("ray").get("dashboard")  # the placed attempt's Ray dashboard
     overview = {"model": config["model"].get("preset") or config["model"].get("path"),
                 "lora": config["model"].get("lora"), "host": socket.gethostname(),
                 "trainable": f"{trainable:,} of {total:,} ({100 * trainable / total:.1f} %)" if total else None,

@@ -239,10 +239,8 @@ class Records:
             if alert is None or alert.run_id != run_id:
                 raise RunNotFound(f"alert {alert_id} of run {run_id}")
             alert.acknowledged = True
-            s.add(alert)
             s.commit()
-            s.refresh(alert)
-            return _dict(alert)
+            return _dict(alert)  # reloaded after the commit
 
     def events(self, run_id: int, after_id: int | None = None, kind: str | None = None) -> list[dict]:
         query = select(Event).where(Event.run_id == run_id, *([Event.kind == kind] if kind else []))
@@ -254,8 +252,7 @@ class Records:
     def checkpoints(self, run_id: int) -> list[dict]:
         """Every checkpoint recorded, with `exists` (the engine keeps the newest `checkpoint.keep`; the best policy is
         in the run's best/ directory)."""
-        rows = self._rows(run_id, select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step),
-                          None)
+        rows = self._rows(run_id, select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step), None)
         return [{**r, "exists": Path(r["path"]).exists()} for r in rows]
 
     def policy_versions(self, run_id: int) -> list[dict]:
@@ -264,15 +261,18 @@ class Records:
 
     def samples(self, run_id: int, limit: int = 50, cursor: int | None = None, newest_first: bool = False,
                 **filters) -> list[dict]:
-        """Recorded episodes in the order they were recorded (or newest first), filtered (`sample_query`); `cursor`
-        is the id of the last one already seen."""
-        query = self.sample_query(run_id, **filters)
-        if cursor is not None:
-            query = query.where(Sample.id < cursor if newest_first else Sample.id > cursor)
+        """Recorded episodes, filtered (`sample_query`), a page of them (`sample_page`)."""
         with Session(self.engine) as s:
             self._get(s, run_id)
-            order = Sample.id.desc() if newest_first else Sample.id
-            return [_dict(r) for r in s.scalars(query.order_by(order).limit(limit))]
+            return self.sample_page(s, self.sample_query(run_id, **filters), limit, cursor, newest_first)
+
+    @staticmethod
+    def sample_page(s: Session, query, limit: int, cursor: int | None = None, newest_first: bool = False):
+        """In the order recorded (or newest first), after `cursor`, the id of the last one already seen."""
+        if cursor is not None:
+            query = query.where(Sample.id < cursor if newest_first else Sample.id > cursor)
+        order = Sample.id.desc() if newest_first else Sample.id
+        return [_dict(r) for r in s.scalars(query.order_by(order).limit(limit))]
 
     def count_samples(self, run_id: int, **filters) -> int:
         """How many recorded episodes pass the filters (`sample_query`)."""

@@ -321,11 +321,12 @@ class Supervisor:
             if free > 0:
                 for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
                     needed, nnodes = self.gpus_needed(run), (run.config.get("dist") or {}).get("nnodes", 1)
-                    message = (f"dist.nnodes is {nnodes} but this daemon has no Ray cluster to place it on (see "
-                               f"molt daemon --ray)" if nnodes > 1 and not self.ray else
-                               f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
-                               f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)" if needed > len(self.gpus)
-                               else None)
+                    message = None
+                    if nnodes > 1 and not self.ray:
+                        message = f"dist.nnodes is {nnodes} but this daemon has no Ray cluster (see molt daemon --ray)"
+                    elif needed > len(self.gpus):
+                        message = (f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
+                                   f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)")
                     if message:  # it could never start here: say so instead of queueing forever
                         if set_run(s, run.id, ("queued",), status="failed", finished_at=now(), last_error=message):
                             add_event(s, run.id, "failed", message)
@@ -367,7 +368,8 @@ class Supervisor:
         env = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # progress bars would flood the log
                **os.environ, "MOLT_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "CUDA_VISIBLE_DEVICES": ",".join(gpus), "MOLT_RAY_ADDRESS": self.ray or ""}  # its own GPUs only; "" = none: it runs on the CPU
+               "CUDA_VISIBLE_DEVICES": ",".join(gpus),  # its own GPUs only; "" = none: it runs on the CPU
+               "MOLT_RAY_ADDRESS": self.ray or ""}  # set: the worker places the attempt on that cluster
         logfile = open(log_path, "ab")
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
@@ -421,8 +423,8 @@ def cli_main(argv=None) -> int:
     p.add_argument("--gpus", help="comma-separated GPU ids the daemon gives its runs' workers, e.g. 0,1; "
                                   "'' = none (default: every visible GPU)")
     p.add_argument("--ray", metavar="ADDRESS", default=os.environ.get("MOLT_RAY_ADDRESS") or None,
-                   help="place runs on this Ray cluster (auto, or HOST:PORT; needs molt-studio[ray]) instead of this "
-                        "machine; default $MOLT_RAY_ADDRESS")
+                   help="place runs on this Ray cluster (auto, or HOST:PORT) instead of this machine; default "
+                        "$MOLT_RAY_ADDRESS")
     a = p.parse_args(argv)
     if a.concurrency < 1:
         p.error("--concurrency must be at least 1")

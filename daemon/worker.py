@@ -73,13 +73,14 @@ def main(argv=None) -> int:
         rewind_to_recorded(engine, args.run_id, directory / "checkpoints")
     nproc = config.get("dist", {}).get("nproc", 1)
     ray = os.environ.get("MOLT_RAY_ADDRESS") if worker else None  # the daemon's `--ray`: place it on the cluster
-    if ray or rank is None and (nproc > 1 or not worker):
+    node_launcher = rank is None and not worker  # one node's launcher, started by a Ray task
+    if ray or (worker and nproc > 1) or node_launcher:
         if ray:
-            from .ray_place import place  # here: only a daemon with --ray needs ray installed
+            from .ray_place import place  # here: importing ray takes seconds, and only --ray needs it
             values = place(engine, ray, args, number, config, directory)
         else:
             values = launch(args, nproc)
-        if values and not worker:
+        if values and node_launcher:
             args.cause_file.write_text(json.dumps(values))
         elif values:
             print(f"molt worker: attempt {number} ended: {values['cause']}", flush=True)
