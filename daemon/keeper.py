@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from sqlalchemy import select
 from sqlmodel import Session
@@ -136,6 +137,14 @@ class Keeper:
         self.pid, self.up_since = None, None
 
 
+def exited(pid: int) -> bool:
+    """The process is gone (a zombie its parent has not reaped yet counts as gone: it holds nothing any more)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def stop_daemon(records: Records, grace: float, say=print) -> bool:
     """Stop the daemon that owns the data directory, gracefully: its active runs are stopped (each worker
     checkpoints) and remembered in INTERRUPTED, so that the next daemon resumes them; then the daemon gets SIGTERM
@@ -169,7 +178,8 @@ def stop_daemon(records: Records, grace: float, say=print) -> bool:
         try:
             os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + 15
-            while records.daemon_status()["pid"] == pid:
+            # Until the process is gone, not only its lock: the daemon lets go of that a moment before it exits
+            while not exited(pid):
                 if time.monotonic() > deadline:
                     os.kill(pid, signal.SIGKILL)
                     break

@@ -139,13 +139,9 @@ class Supervisor:
 
     def watch(self):
         for w in list(self.workers.values()):
-            if w.proc is not None:
-                rc = w.proc.poll()
-                if rc is not None:
-                    self.end_attempt(w.run_id, w.attempt_id, rc, hang=w.hang)
-                    continue
-            elif not self.worker_alive(w.run_id, w.pid):
-                self.end_attempt(w.run_id, w.attempt_id, None, hang=w.hang)
+            rc = w.proc.poll() if w.proc is not None else None  # None: not our child (adopted), or still running
+            if rc is not None or (w.proc is None and not self.worker_alive(w.run_id, w.pid)):
+                self.end_attempt(w.run_id, w.attempt_id, rc, hang=w.hang)
                 continue
             with Session(self.engine) as s:
                 status = s.scalar(select(Run.status).where(Run.id == w.run_id))
@@ -314,27 +310,33 @@ class Supervisor:
             due = s.scalars(select(Run).where(Run.status == "restarting", Run.next_start_at <= now(),
                                               Run.id.not_in(list(self.workers))).order_by(Run.id)).all()
             for run in due:
-                if self.gpus_needed(run) <= len(self.free_gpus()):
+                if not self.refused(s, run, "restarting") and self.gpus_needed(run) <= len(self.free_gpus()):
                     self.start(s, run)
             active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
             free = self.concurrency - active - len(self.evals.workers)
             if free > 0:
                 for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
-                    needed, nnodes = self.gpus_needed(run), (run.config.get("dist") or {}).get("nnodes", 1)
-                    message = None
-                    if nnodes > 1 and not self.ray:
-                        message = f"dist.nnodes is {nnodes} but this daemon has no Ray cluster (see molt daemon --ray)"
-                    elif needed > len(self.gpus):
-                        message = (f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
-                                   f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)")
-                    if message:  # it could never start here: say so instead of queueing forever
-                        if set_run(s, run.id, ("queued",), status="failed", finished_at=now(), last_error=message):
-                            add_event(s, run.id, "failed", message)
-                        s.commit()
-                    elif needed > len(self.free_gpus()):
+                    if self.refused(s, run, "queued"):
+                        continue
+                    if self.gpus_needed(run) > len(self.free_gpus()):
                         break
-                    else:
-                        self.start(s, run)
+                    self.start(s, run)
+
+    def refused(self, s: Session, run: Run, status: str) -> bool:
+        """A run that could never start on this daemon (e.g. a restart after the daemon came back without its Ray
+        cluster or with fewer GPUs) fails at once, saying why, instead of waiting forever or starting wrongly."""
+        needed, nnodes = self.gpus_needed(run), (run.config.get("dist") or {}).get("nnodes", 1)
+        if nnodes > 1 and not self.ray:
+            message = f"dist.nnodes is {nnodes} but this daemon has no Ray cluster (see molt daemon --ray)"
+        elif needed > len(self.gpus):
+            message = (f"resources.gpus is {needed} but this daemon has {len(self.gpus)} GPU(s) "
+                       f"({','.join(self.gpus) or 'none'}; see molt daemon --gpus)")
+        else:
+            return False
+        if set_run(s, run.id, (status,), status="failed", finished_at=now(), last_error=message):
+            add_event(s, run.id, "failed", message)
+        s.commit()
+        return True
 
     def gpus_needed(self, run: Run) -> int:
         """The run's `resources.gpus`; by default one per rank (`dist.nproc`) where this daemon has GPUs, else 0.

@@ -267,7 +267,9 @@ class Training:
                 self.sink.samples(step, "train", samples)
             self.summary.update(metrics, step=self.step, version=version)
             every = self.cfg.checkpoint.every
-            if self.ckpt_dir and ((every and self.step % every == 0) or self.stopping):
+            # A stop checkpoints here with one process. With more, only once the ranks agree (after the loop): a
+            # rank asked mid-step must not start the checkpoint's collectives while the others start the next step.
+            if self.ckpt_dir and ((every and self.step % every == 0) or (self.stopping and dist.world() == 1)):
                 # Before publishing: admission is still closed, so (on-policy) nothing is in flight.
                 await self.save_checkpoint(version, weights or self.published)
             async with self.changed:

@@ -155,16 +155,22 @@ def test_two_ranks_learn_max_digit(tmp_path):
 
 
 @pytest.mark.slow
-def test_stop_of_a_two_rank_run_checkpoints_both_ranks_at_one_step_then_resumes(tmp_path):
-    """The daemon's stop (SIGTERM to the launching worker; torchrun passes it to every rank): the ranks agree on
-    one step, checkpoint together and the run is `stopped`; resumed, it completes with every step recorded once."""
+@pytest.mark.parametrize("asked", ["every rank", "rank 1 alone"])
+def test_stop_of_a_two_rank_run_checkpoints_both_ranks_at_one_step_then_resumes(tmp_path, asked):
+    """The daemon's stop (SIGTERM to the launching worker; torchrun passes it to every rank), or a SIGTERM that
+    reaches one rank alone, at any moment of its step (as a stop reaches the nodes of a Ray run one by one): the
+    ranks agree on one step, checkpoint together and the run is `stopped`; resumed, it completes with every step
+    recorded once."""
     studio = Studio(tmp_path / "home")
     try:
         api = studio.api
         run = api.create_run(daemon_config(40, dist={"nproc": 2}))["id"]
         studio.start_daemon()
         studio.wait_step(run, 8, timeout=START + 120)
-        assert api.stop_run(run)["status"] == "stopping"
+        if asked == "every rank":
+            assert api.stop_run(run)["status"] == "stopping"
+        else:
+            os.kill(wait_until(lambda: rank_pid(studio.home, 1), 30, message="rank 1"), signal.SIGTERM)
         stopped = api.wait_run(run, timeout=90)
         assert stopped["status"] == "stopped" and 8 <= stopped["step"] < 40, stopped["last_error"]
         assert api.checkpoints(run)[-1]["step"] == stopped["step"]

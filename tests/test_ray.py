@@ -11,7 +11,8 @@ from sqlmodel import Session
 
 from app_support import hook, logged_in, new_run, serve, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
-from daemon.db import add_event
+from daemon.db import add_event, set_run
+from daemon.models import now
 from daemon.records import Records
 from molt_engine import RunConfig
 from molt_engine.config import ValidationError, config_errors
@@ -35,14 +36,19 @@ def test_dist_nnodes_is_validated_and_the_batch_splits_over_every_rank_of_every_
 
 
 def test_a_daemon_without_ray_refuses_a_run_on_more_than_one_node_naming_dist_nnodes(tmp_path):
+    """Queued, or due to restart (its daemon came back without --ray): it fails at once, never started locally."""
     studio = Studio(tmp_path)
     try:
-        run = studio.api.create_run(config(5, dist={"nnodes": 2}))["id"]
+        queued, restarting = (studio.api.create_run(config(5, dist={"nnodes": 2}))["id"] for _ in range(2))
+        with Session(studio.api.engine) as s:
+            assert set_run(s, restarting, ("queued",), status="restarting", next_start_at=now())
+            s.commit()
         studio.start_daemon()
-        final = studio.api.wait_run(run, timeout=START)
-        assert final["status"] == "failed" and final["last_error"].startswith("dist.nnodes is 2 but this daemon has "
-                                                                              "no Ray cluster"), final["last_error"]
-        assert studio.api.attempts(run) == []  # never started
+        for run in (queued, restarting):
+            final = studio.api.wait_run(run, timeout=START)
+            assert final["status"] == "failed" and final["last_error"].startswith(
+                "dist.nnodes is 2 but this daemon has no Ray cluster"), final["last_error"]
+            assert studio.api.attempts(run) == []  # never started
     finally:
         studio.close()
 
