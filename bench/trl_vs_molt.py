@@ -116,11 +116,11 @@ def warm_started_policy(env: str, seed: int, out_dir: str, warm_start: dict) -> 
     """Build the tiny-dense preset for `seed`, run our engine's supervised warm start on it, save it to out_dir.
 
     This is exactly what `molt train` does before RL (load_policy(ModelConfig(preset="tiny-dense"), seed), then
-    Training.warm_start); saving it lets TRL and every configuration of ours start from identical weights.
+    Rollout.warm_start); saving it lets TRL and every configuration of ours start from identical weights.
     """
     cfg = RunConfig.model_validate({"env": env, "seed": seed, "warm_start": warm_start})
     run = Training(cfg, NullSink())
-    asyncio.run(run.warm_start())
+    asyncio.run(run.rollout.warm_start(run.model, run.pad_id, lambda: False))
     run.model.save_pretrained(out_dir)
     run.tokenizer.save_pretrained(out_dir)
     return out_dir
