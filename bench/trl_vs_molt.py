@@ -9,7 +9,7 @@
 #     python bench/trl_vs_molt.py --quick        # smoke test: tiny step counts, one seed
 #     python bench/trl_vs_molt.py --part 1 --seeds 0 --trl-threads 1 2 --max-seconds 120
 #
-# Every run starts from the same weights: the engine's own supervised warm start (Training.warm_start, 70 steps on env
+# Every run starts from the same weights: the engine's own supervised warm start (Rollout.warm_start, 70 steps on env
 # demonstrations) runs once per seed and is saved with save_pretrained, and every trainer loads that directory.
 # Timing starts after loading, at the start of RL, and never includes the warm start.
 import argparse
