@@ -158,6 +158,8 @@ def serve_web(home: Path, args):
     """uvicorn in this thread until Ctrl-C or SIGTERM; the URL with the token is printed once it listens."""
     import uvicorn
 
+    from daemon.db import DASHBOARD
+
     from .auth import load_or_create_token
     from .main import create_app
     token = load_or_create_token(home)
@@ -174,6 +176,7 @@ def serve_web(home: Path, args):
         port = server.servers[0].sockets[0].getsockname()[1]
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         host = f"[{host}]" if ":" in host else host
+        (home / DASHBOARD).write_text(json.dumps({"url": args.public_url or f"http://{host}:{port}"}))
         print(f"\nMolt Studio is ready: http://{host}:{port}/?token={token}\n"
               f"(REST API docs: http://{host}:{port}/docs; Ctrl-C stops)\n", flush=True)
 
@@ -183,7 +186,10 @@ def serve_web(home: Path, args):
     # (with the default handlers SIGTERM would kill the process, and asyncio would log a KeyboardInterrupt).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        (home / DASHBOARD).unlink(missing_ok=True)
 
 
 def _interrupt(*_):

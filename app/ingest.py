@@ -1,5 +1,4 @@
 """External runs (`molt train --report-to URL`): registering one, and the ingest endpoint its HTTP sink posts to."""
-import hashlib
 import secrets
 import time
 from typing import Annotated, Any, Literal
@@ -10,19 +9,22 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from daemon.db import add_event, finish_run, set_run
+from daemon.db import add_event, digest, finish_run, set_run
 from daemon.models import ACTIVE, Attempt, Run, now
 from daemon.records import RunRequest
 from daemon.sink import write_records
 
 from . import rest
 from .rest import RunId, _problem, authenticated, bearer, known_query, records_of
-from .schemas import RunOut
+from .schemas import RunOut, SampleTokens
 
 # JSON's integers: 3.0 is one (as JSON Schema reads it), true is not; bounds exact as doubles (checkers compare those)
 Whole = BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)
 Int = Annotated[int, Field(ge=0, le=10**15), Whole]
 Signed = Annotated[int, Field(ge=-10**15, le=10**15), Whole]
+# An episode's seed: SQLite's 64-bit integers (held-out eval seeds start at 2**62); 2**63 - 1024 is the largest
+# double below 2**63
+Seed = Annotated[int, Field(ge=-2**63, le=2**63 - 1024), Whole]
 Text = Annotated[str, Field(max_length=100_000)]
 Name = Annotated[str, Field(min_length=1, max_length=200)]
 
@@ -87,7 +89,7 @@ class CheckpointRecord(_Record):
 class Episode(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     group: Signed
-    seed: Signed
+    seed: Seed
     version: Signed
     reward: float | None
     advantage: float | None
@@ -97,7 +99,7 @@ class Episode(BaseModel):
     tool_errors: Int
     prompt: Text
     text: Text
-    tokens: dict[str, list]
+    tokens: SampleTokens  # as the samples API shows them: a record it could not show is refused here
     images: list[str] = Field(default_factory=list)
 
 
@@ -134,10 +136,6 @@ class Ingested(BaseModel):
 router = APIRouter(prefix="/api/v1", tags=["external runs"], dependencies=[Depends(known_query)],
                    responses=rest.router.responses)  # 400 not JSON, 422 invalid
 refused = {401: _problem("missing or unknown ingest token"), 403: _problem("the token belongs to another run")}
-
-
-def digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 @router.post("/external-runs", status_code=201, response_model=Registered, dependencies=[Depends(authenticated)],

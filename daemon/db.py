@@ -1,5 +1,6 @@
 """The SQLite database in the data directory: engine with WAL + busy timeout, migrate-on-start, small helpers."""
 import fcntl
+import hashlib
 import logging
 import os
 from contextlib import contextmanager
@@ -18,6 +19,11 @@ BUSY_TIMEOUT_S = 30
 # it degraded and `molt serve` kills and restarts it. Above BUSY_TIMEOUT_S: a poll that waited out one busy database
 # statement is slow, not hung.
 DAEMON_HANG_S = 60.0
+
+
+# Written by the dashboard (`molt serve`, `molt web`) while it listens: {"url": ...}. Ranks placed on Ray report
+# to it over HTTP, as an external run does, so that no node but the daemon's opens the database.
+DASHBOARD = "dashboard.json"
 
 
 def data_home(home: str | Path | None = None) -> Path:
@@ -128,6 +134,11 @@ def lock_holder(path: Path) -> str | None:
             return f.read().strip()
         fcntl.flock(f, fcntl.LOCK_UN)
         return None
+
+
+def digest(token: str) -> str:
+    """What the database keeps of a run-scoped ingest token (Run.ingest_token)."""
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def set_run(conn, run_id: int, only_if: tuple[str, ...] | None = None, **values) -> bool:

@@ -210,7 +210,7 @@ def start_main(argv=None) -> int:
             proc = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(records.home), *daemon_args],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     deadline = time.monotonic() + a.timeout
-    while not (status := records.daemon_status())["alive"]:
+    while not ((status := records.daemon_status())["alive"] and status["pid"]):  # pid: its lock's content written
         if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
             print(f"molt daemon start: no daemon came up for {records.home}" + (f" (see {log})" if proc else ""),
                   file=sys.stderr)

@@ -1,6 +1,7 @@
 """An attempt placed on a Ray cluster (`molt daemon --ray`): a bundle per node, on each a task running its torchrun."""
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -12,9 +13,11 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from sqlalchemy import update
 from sqlmodel import Session
 
-from .db import add_event, data_home
+from .db import DASHBOARD, add_event, data_home, digest
+from .models import Run
 
 PLACE_TIMEOUT_S = 60   # under the supervisor's first-heartbeat limit (FIRST_BEAT_S), which would call it a hang
 FAILED_GRACE_S = 5     # after a node fails, the others get this long to fail too (on the lost peer) and say so
@@ -26,11 +29,13 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
     """Reserve `dist.nnodes` bundles of `dist.nproc` CPUs (or GPUs), one per node (STRICT_SPREAD), start one task per
     bundle that runs that node's ranks, and watch them as launch() watches local ranks: the first node to fail ends
     the attempt (the others are cancelled) and its cause names the node, rank and signal; a SIGTERM (the daemon's
-    stop) is passed on to every node, so rank 0 checkpoints. The placement group and the Ray job end with this
-    attempt, however it ends. Returns the attempt's failure, or None."""
+    stop) is passed on to every node, so rank 0 checkpoints. With a dashboard listening on the data directory, rank 0
+    reports to it over HTTP (HttpSink), so the nodes never open the database. The placement group and the Ray job end
+    with this attempt, however it ends. Returns the attempt's failure, or None."""
     dist = config.get("dist", {})
     nnodes, nproc = dist.get("nnodes", 1), dist.get("nproc", 1)
     marker = directory / f"attempt-{args.attempt}.placed"  # a node that cannot see it cannot see the checkpoints
+    attempt_file = directory / f"attempt-{args.attempt}.json"
     marker.write_text(str(os.getpid()))
     stop, pg = threading.Event(), None
     try:
@@ -61,9 +66,20 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
             add_event(s, args.run_id, "ray", f"attempt {number} placed on Ray: {nnodes} node(s) with {bundle} each: "
                       f"{', '.join(ip for ip, _, _ in nodes)}", attempt=number, dashboard=url or None)
             s.commit()
+        # What the nodes' launchers and ranks read instead of the database: the run's config and, with a dashboard
+        # listening, where rank 0 reports (with a token for this run alone, new each attempt). Owner-only: a credential.
+        report, dashboard = {}, data_home(args.home) / DASHBOARD
+        if dashboard.exists():
+            token = secrets.token_urlsafe(24)
+            with Session(engine) as s:
+                s.execute(update(Run).where(Run.id == args.run_id).values(ingest_token=digest(token)))
+                s.commit()
+            report = {"report_to": json.loads(dashboard.read_text())["url"], "ingest_token": token}
+        with os.fdopen(os.open(attempt_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"config": config, "number": number, **report}, f)
         command = [sys.executable, "-m", "daemon.worker", str(args.run_id), "--attempt", str(args.attempt),
                    "--home", str(data_home(args.home)), f"--nnodes={nnodes}",
-                   f"--rdzv-endpoint={nodes[0][0]}:{nodes[0][2]}"]
+                   f"--rdzv-endpoint={nodes[0][0]}:{nodes[0][2]}", f"--attempt-file={attempt_file}"]
         tasks = {node.options(num_cpus=0 if gpus else nproc, num_gpus=gpus, max_retries=0,
                               scheduling_strategy=on[i]).remote(command + [f"--node-rank={i}"]): i
                  for i in range(nnodes)}
@@ -102,6 +118,7 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
             remove_placement_group(pg)
         ray.shutdown()
         marker.unlink(missing_ok=True)
+        attempt_file.unlink(missing_ok=True)
 
 
 @ray.remote

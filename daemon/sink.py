@@ -223,16 +223,18 @@ class HttpSink(SpoolSink):
     registered with the dashboard token on the first delivery, which returns the run-scoped ingest token that every
     later request carries; until then records wait in the spool, so training never waits on the dashboard. With
     `resume` the run saved in out_dir/report.json gets a new attempt instead, and what an earlier process spooled
-    but never delivered goes first. Each
-    reply says whether a stop was requested: then this process gets SIGTERM, as a daemon's worker does, and the
-    engine checkpoints and stops. `echo` (the terminal's progress sink) sees every call too."""
+    but never delivered goes first. With `attach` (run id, ingest token) it is a daemon run's rank 0 on a Ray node
+    (ray_place.place), writing into the attempt the daemon's worker opened. Each reply says whether a stop was
+    requested: then this process gets SIGTERM, as a daemon's worker does, and the engine checkpoints and stops.
+    `echo` (the terminal's progress sink) sees every call too."""
     what = "report"
     backoff = 16          # retries of a failing batch: every 0.3 s, doubling up to about 5 s
     drain_s = 120.0       # at the end, how long a dashboard that is down may take to come back
     chunk = 500           # records per request
 
     def __init__(self, url: str, token: str, config: dict, out_dir: Path, name: str | None = None, ranks: int = 1,
-                 echo=None, flush_every: float = FLUSH_EVERY_S, spool_cap: int = 256 * 2**20, resume: bool = False):
+                 echo=None, flush_every: float = FLUSH_EVERY_S, spool_cap: int = 256 * 2**20, resume: bool = False,
+                 attach: tuple[int, str] | None = None):
         import httpx
         self.url, self.token, self.echo, self.ranks = url.rstrip("/"), token, echo, ranks
         self.config, self.name = config, name
@@ -241,7 +243,9 @@ class HttpSink(SpoolSink):
         previous = json.loads(self.saved.read_text()) if resume and self.saved.exists() else {}
         same = previous.get("url") == self.url
         self.run_id, self.ingest_token = (previous["run_id"], previous["ingest_token"]) if same else (None, None)
-        self.attached = False
+        if attach:  # a daemon run's rank 0 on another node: (run id, ingest token); its worker opened the attempt
+            self.run_id, self.ingest_token = attach
+        self.attached = attach is not None
         self.session = uuid.uuid4().hex[:12]  # alert and event uids: "session:seq", unique per run
         self.stop_requested = False
         self.client = httpx.Client(timeout=10)

@@ -14,7 +14,7 @@ from sqlmodel import Session
 
 from .db import connect, data_home, finish_run, hold_lock, run_dir
 from .models import ACTIVE, Attempt, Metric, Run, now
-from .sink import DbSink
+from .sink import DbSink, HttpSink
 
 DUPLICATE = 75          # exit code: another worker of this run is alive (EX_TEMPFAIL); this one never started
 TRACEBACK_LINES = 40
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--node-rank", type=int)
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 (torchrun's static rendezvous)")
     p.add_argument("--cause-file", type=Path)
+    p.add_argument("--attempt-file", type=Path, help="the run's config and where rank 0 reports (ray_place.place)")
     args = p.parse_args(argv)
     home = data_home(args.home)
     directory = run_dir(home, args.run_id)
@@ -59,14 +60,19 @@ def main(argv=None) -> int:
             return DUPLICATE
         time.sleep(0.1)
 
-    engine = connect(home, migrate=False)
-    with Session(engine) as s:
-        attempt = s.get(Attempt, args.attempt)
-        config, number = s.get(Run, args.run_id).config, attempt.number
-        if worker:
-            s.execute(update(Attempt).where(Attempt.id == args.attempt).values(pid=os.getpid()))
-            s.execute(update(Run).where(Run.id == args.run_id).values(pid=os.getpid()))
-            s.commit()
+    # A node of a Ray attempt reads the run from the file its worker wrote; reporting to a dashboard, it never opens
+    # the database (only the daemon's machine needs it; the nodes share the run directory, for the checkpoints).
+    given = json.loads(args.attempt_file.read_text()) if args.attempt_file else {}
+    engine = None if given.get("report_to") else connect(home, migrate=False)
+    if given:
+        config, number = given["config"], given["number"]
+    else:
+        with Session(engine) as s:
+            config, number = s.get(Run, args.run_id).config, s.get(Attempt, args.attempt).number
+            if worker:
+                s.execute(update(Attempt).where(Attempt.id == args.attempt).values(pid=os.getpid()))
+                s.execute(update(Run).where(Run.id == args.run_id).values(pid=os.getpid()))
+                s.commit()
     print(f"molt worker: run {args.run_id}, attempt {number}, pid {os.getpid()}"
           + (f", rank {rank}" if rank else ""), flush=True)
     if worker:
@@ -89,9 +95,13 @@ def main(argv=None) -> int:
             _held.append(lock)
         return 1 if values else 0
 
-    sink = None if rank not in (None, "0") else DbSink(  # first: it beats while torch imports
-        engine, args.run_id, args.attempt, spool_dir=directory, keep_samples=config.get("record", {}).get("keep_steps"),
-        full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
+    sink = None  # first: it beats while torch imports
+    if rank in (None, "0") and engine is None:  # rank 0 on Ray: to the dashboard, into the attempt the worker opened
+        sink = HttpSink(given["report_to"], "", config, directory, attach=(args.run_id, given["ingest_token"]))
+    elif rank in (None, "0"):
+        sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory,
+                      keep_samples=config.get("record", {}).get("keep_steps"),
+                      full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
     summary, values, code = None, {}, 0
     try:
         from molt_engine import RunConfig, train
@@ -113,10 +123,12 @@ def main(argv=None) -> int:
             get_error_handler().record_exception(e)
             os.replace(error_file + ".part", error_file)
     finally:
-        if sink:
+        if isinstance(sink, HttpSink) and values.get("outcome") not in (None, "error"):
+            sink.end(values["outcome"], summary)  # the dashboard records the end as _record does (an error's
+        elif sink:                                # cause reaches the worker through torchrun and Ray instead)
             sink.close()
     print(f"molt worker: attempt {number} ended: {values['outcome']}", flush=True)
-    if sink:
+    if isinstance(sink, DbSink):
         _record(engine, args.run_id, args.attempt, number, values, summary)
     if worker:
         _held.append(lock)  # released by the kernel at exit, not before: the process is gone when the lock is free
@@ -133,7 +145,8 @@ def launch(args, nproc: int) -> dict | None:
         f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--rdzv-endpoint={args.rdzv_endpoint}"]
     try:
         torchrun([*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "daemon.worker",
-                  str(args.run_id), "--attempt", str(args.attempt), "--home", str(data_home(args.home))])
+                  str(args.run_id), "--attempt", str(args.attempt), "--home", str(data_home(args.home)),
+                  *([f"--attempt-file={args.attempt_file}"] if args.attempt_file else [])])
         return None
     except ChildFailedError as e:
         def order(item):  # killed by a signal torchrun did not send, then raised, then stopped by torchrun

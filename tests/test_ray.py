@@ -1,5 +1,7 @@
 """Runs placed on a Ray cluster (`molt daemon --ray`): two Ray nodes on this machine (ray.cluster_utils.Cluster), a
 real daemon, torchrun on each node (gloo); and what refuses more than one node without Ray."""
+import contextlib
+import json
 import os
 import signal
 
@@ -9,10 +11,10 @@ from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 from sqlmodel import Session
 
-from app_support import hook, logged_in, new_run, serve, web  # noqa: F401 (hook, web: fixtures)
+from app_support import hook, logged_in, new_run, serve, web, web_thread  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
-from daemon.db import add_event, set_run
-from daemon.models import now
+from daemon.db import DASHBOARD, add_event, set_run
+from daemon.models import Run, now
 from daemon.records import Records
 from molt_engine import RunConfig
 from molt_engine.config import ValidationError, config_errors
@@ -100,19 +102,42 @@ def node_processes(home) -> list[int]:
     return found
 
 
+def node_database_use(home) -> dict[int, bool]:
+    """The node launchers and ranks of this data directory's Ray attempts (they are given the attempt file), and
+    whether each has the database (molt.db, its -wal or -shm) open."""
+    found = {}
+    for pid in node_processes(home):
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+            opened = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(a.startswith("--attempt-file=") for a in args):
+            found[pid] = any(path.startswith(str(home / "molt.db")) for path in opened)
+    return found
+
+
 @pytest.mark.slow
-def test_a_two_node_run_learns_survives_a_sigkill_on_the_second_node_and_leaves_no_placement(placed):
+@pytest.mark.parametrize("reports", ["to the dashboard", "into the database"])
+def test_a_two_node_run_learns_survives_a_sigkill_on_the_second_node_and_leaves_no_placement(placed, reports):
     """dist {nnodes: 2, nproc: 1}: rank 1 (on the second node) is SIGKILLed mid-run. The attempt ends naming that
     node, its rank and the signal; the daemon restarts it from the checkpoint on both nodes; the run completes
     with every step recorded once and a greedy eval reward of at least 0.9, above the warm start's; no placement
-    group is left."""
+    group is left. Rank 0 reports to the dashboard over HTTP when one listens on the data directory (each attempt
+    with a new token), else into the shared database."""
     studio, cluster = placed
     api = studio.api
-    run = api.create_run(LEARNS)["id"]
-    studio.wait_step(run, 13, timeout=START + 300)
-    pid = wait_until(lambda: rank_pid(studio.home, 1), 30, message="rank 1")
-    os.kill(pid, signal.SIGKILL)
-    final = api.wait_run(run, timeout=900)
+    before = len(our_placement_groups(cluster))
+    with contextlib.ExitStack() as stack:
+        if reports == "to the dashboard":
+            base, _ = stack.enter_context(web_thread(studio.home, "secret"))
+            (studio.home / DASHBOARD).write_text(json.dumps({"url": base}))
+            stack.callback((studio.home / DASHBOARD).unlink)
+        run = api.create_run(LEARNS)["id"]
+        studio.wait_step(run, 13, timeout=START + 300)
+        pid = wait_until(lambda: rank_pid(studio.home, 1), 30, message="rank 1")
+        os.kill(pid, signal.SIGKILL)
+        final = api.wait_run(run, timeout=900)
     attempts = api.attempts(run)
     print("attempts:", [(a["number"], a["cause"][:300], a["start_step"], a["end_step"]) for a in attempts])
     print("summary:", {k: final["summary"].get(k) for k in ("step", "eval_reward", "best_step", "reward_mean")})
@@ -129,12 +154,13 @@ def test_a_two_node_run_learns_survives_a_sigkill_on_the_second_node_and_leaves_
     assert all(e["message"].endswith(f": {ip}, {ip}") for e in placements)
     wait_until(lambda: not node_processes(studio.home), 30, message="the worker, node launchers and ranks gone")
     states = our_placement_groups(cluster)  # the worker removes its placement group before it exits
-    assert len(states) == 2 and set(states) == {"REMOVED"}, states
+    assert len(states) == before + 2 and set(states) == {"REMOVED"}, states
 
 
 @pytest.mark.slow
 def test_a_stop_reaches_every_node_rank_0_checkpoints_and_nothing_of_the_attempt_is_left_on_ray(placed, tmp_path):
-    """`molt serve --ray ADDRESS` (its daemon gets the address); the dashboard's stop (SIGTERM to the worker) is
+    """`molt serve --ray ADDRESS` (its daemon gets the address); rank 0 reports to the dashboard over HTTP with a
+    token for this run, so no node's process opens the database. The dashboard's stop (SIGTERM to the worker) is
     passed on to each node's task, so the ranks checkpoint at one step and the run is `stopped`; its placement group
     is removed and no node launcher or rank lives on."""
     _, cluster = placed
@@ -143,6 +169,10 @@ def test_a_stop_reaches_every_node_rank_0_checkpoints_and_nothing_of_the_attempt
         api = Records(tmp_path)
         run = api.create_run(config(60, dist={"nnodes": 2}))["id"]
         wait_until(lambda: api.get_run(run)["step"] >= 4, START + 300, message="step 4")
+        nodes = node_database_use(tmp_path)
+        assert len(nodes) >= 4 and not any(nodes.values()), nodes  # two launchers and two ranks, none on the db
+        with Session(api.engine) as s:
+            assert s.get(Run, run).ingest_token is not None
         assert api.stop_run(run)["status"] == "stopping"
         stopped = api.wait_run(run, timeout=120)
         assert stopped["status"] == "stopped" and 4 <= stopped["step"] < 60, stopped["last_error"]
@@ -150,6 +180,7 @@ def test_a_stop_reaches_every_node_rank_0_checkpoints_and_nothing_of_the_attempt
         assert [a["cause"] for a in api.attempts(run)] == ["stopped"]
         assert [e["data"]["attempt"] for e in api.events(run, kind="ray")] == [1]
         wait_until(lambda: not node_processes(tmp_path), 30, message="the worker, node launchers and ranks gone")
+        assert not list((tmp_path / "runs" / str(run)).glob("attempt-*.json")), "the attempt file (a credential)"
     states = our_placement_groups(cluster)
     assert len(states) == before + 1 and set(states) == {"REMOVED"}, states
 

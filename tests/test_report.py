@@ -14,6 +14,7 @@ from sqlmodel import Session
 
 from daemon.db import connect
 from daemon.models import Event, Metric
+from molt_engine.envs import EVAL_SEEDS
 
 from app_support import FAST, ROOT, Served, child_env, free_port, molt
 
@@ -144,23 +145,33 @@ def test_ingest_tokens_are_scoped_and_a_resent_batch_duplicates_nothing(served):
     first, second = register("node-a"), register("node-b")
     run_id, token = first["run"]["id"], first["ingest_token"]
     assert first["run"]["status"] == "running" and first["run"]["ranks"] == 2 and token != second["ingest_token"]
+    episode = {"group": -1, "seed": EVAL_SEEDS + 7, "version": 3, "reward": 1.0, "advantage": None, "success": True,
+               "turns": 1, "tool_calls": 0, "tool_errors": 0, "prompt": "p", "text": "t",
+               "tokens": {"id": [5, 9], "text": ["p", "t"], "action": [False, True], "logprob": [None, -0.5],
+                          "trainer_logprob": [None, None], "version": [-1, 3], "entropy": [None, 0.25]}}
     batch = [{"t": "metrics", "time": time.time(), "step": s, "values": {"reward_mean": s / 10, "version": s + 1}}
              for s in range(3)] + [{"t": "event", "time": time.time(), "kind": "saved", "message": "saved step 2",
-                                    "data": {"step": 2}, "uid": "abc:1"}]
+                                    "data": {"step": 2}, "uid": "abc:1"},
+                                   {"t": "samples", "time": time.time(), "step": 2, "kind": "eval",
+                                    "records": [episode]}]  # an eval's seed is past 2**62 (envs.EVAL_SEEDS)
     assert ingest(served.base, run_id, second["ingest_token"], batch).status_code == 403  # another run's token
     assert ingest(served.base, run_id, "wrong", batch).status_code == 401
     assert ingest(served.base, run_id, served.token, batch).status_code == 401  # the dashboard's token: not here
     assert httpx.post(f"{served.base}/api/v1/external-runs", json={"config": {"env": "max_digit"}, "host": "x",
                                                                    "pid": 1}, timeout=30).status_code == 401
     assert ingest(served.base, run_id, token, [{"t": "metrics", "step": 0}]).status_code == 422
+    shapeless = {**batch[-1], "records": [{**episode, "tokens": {}}]}  # a sample the samples view could not show
+    assert ingest(served.base, run_id, token, [shapeless]).status_code == 422
     for _ in range(2):
         reply = ingest(served.base, run_id, token, batch)
         assert reply.status_code == 200 and reply.json() == {"run_id": run_id, "status": "running", "stop": False,
-                                                             "written": 4}, reply.text
+                                                             "written": 5}, reply.text
     series = served.client.get(f"/api/v1/runs/{run_id}/metrics", params={"names": "reward_mean"}).json()["series"]
     events = served.client.get(f"/api/v1/runs/{run_id}/events").json()
     assert series["reward_mean"]["step"] == [0, 1, 2]
     assert [e["kind"] for e in events] == ["external", "saved"]
+    samples = served.client.get(f"/api/v1/runs/{run_id}/samples", params={"kind": "eval"}).json()
+    assert [(x["seed"], x["step"]) for x in samples["samples"]] == [(EVAL_SEEDS + 7, 2)], samples
     assert served.client.get(f"/api/v1/runs/{second['run']['id']}/metrics").json()["names"] == []
 
 
