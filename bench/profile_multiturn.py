@@ -141,8 +141,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, nargs="+", default=[1], help="loop.threads (torch intra-op threads) to try")
     args = p.parse_args(argv)
-    out = [f"### Multi-turn profile: calculator without tool latency, {args.steps} steps per setting "
-           f"(seed {args.seed}; load average at start {os.getloadavg()[0]:.2f})", ""]
+    print(f"### Multi-turn profile: calculator without tool latency, {args.steps} steps per setting "
+          f"(seed {args.seed}; load average at start {os.getloadavg()[0]:.2f})\n", flush=True)
     with tempfile.TemporaryDirectory() as model_dir:
         warm_started_policy("calculator", args.seed, model_dir, CALCULATOR_WARM_START)
         for threads, staleness in ((t, s) for t in args.threads for s in (0, 2)):
@@ -151,12 +151,9 @@ def main(argv=None):
                       "loop": {"steps": args.steps, "max_staleness": staleness, "eval_every": 0, "threads": threads}}
             with Profiler() as profiler:
                 result = run_ours(config, max_seconds=1e9)
-            part = [f"**max_staleness {staleness}, loop.threads {threads}**: {result['samples_per_s']:.0f} samples/s, "
-                    f"last-10 train reward {result['last10_reward']:.3f}", ""] + profiler.report() + [""]
-            print("\n".join(part), flush=True)
-            out += part
-    print("\n".join(out))
-
+            print("\n".join([f"**max_staleness {staleness}, loop.threads {threads}**: {result['samples_per_s']:.0f} "
+                             f"samples/s, last-10 train reward {result['last10_reward']:.3f}", ""]
+                            + profiler.report() + [""]), flush=True)
 
 if __name__ == "__main__":
     main()

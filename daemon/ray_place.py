@@ -68,8 +68,8 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
             s.commit()
         # What the nodes' launchers and ranks read instead of the database: the run's config and, with a dashboard
         # listening, where rank 0 reports (with a token for this run alone, new each attempt). Owner-only: a credential.
-        report, dashboard = {}, data_home(args.home) / DASHBOARD
-        if dashboard.exists():
+        home, report = data_home(args.home), {}
+        if (dashboard := home / DASHBOARD).exists():
             token = secrets.token_urlsafe(24)
             with Session(engine) as s:
                 s.execute(update(Run).where(Run.id == args.run_id).values(ingest_token=digest(token)))
@@ -78,7 +78,7 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
         with os.fdopen(os.open(attempt_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump({"config": config, "number": number, **report}, f)
         command = [sys.executable, "-m", "daemon.worker", str(args.run_id), "--attempt", str(args.attempt),
-                   "--home", str(data_home(args.home)), f"--nnodes={nnodes}",
+                   "--home", str(home), f"--nnodes={nnodes}",
                    f"--rdzv-endpoint={nodes[0][0]}:{nodes[0][2]}", f"--attempt-file={attempt_file}"]
         tasks = {node.options(num_cpus=0 if gpus else nproc, num_gpus=gpus, max_retries=0,
                               scheduling_strategy=on[i]).remote(command + [f"--node-rank={i}"]): i
