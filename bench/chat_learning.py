@@ -121,7 +121,7 @@ def warm_started(config: dict, directory: Path) -> Path:
     (seed, steps, lr and the demonstrations' tokens): the chat calculator and calculator_agent, whose demonstrations
     are the same tokens, share theirs."""
     cfg = RunConfig.model_validate(config)
-    torch.set_num_threads(cfg.loop.threads)
+    torch.set_num_threads(1)  # as a run's warm start has (Training keeps every thread but the updates' at one)
     model, tok = load_policy(cfg.model, cfg.seed)
     rollout = Rollout(cfg, tok, model.config.get_text_config().max_position_embeddings, stop_ids(tok))
     first = asyncio.run(rollout.demonstration(DEMO_SEEDS))

@@ -102,13 +102,13 @@ def main(argv=None) -> dict:
                    help="the job's episodes in flight at once (default: the worker's, CONCURRENT_EPISODES)")
     a = p.parse_args(argv)
     evals.CONCURRENT_EPISODES = a.in_flight
-    threads = RunConfig.model_validate({"env": a.env}).loop.threads
+    threads = 1  # a run decodes its evals on one thread (Training keeps every thread but the updates' at one)
     with tempfile.TemporaryDirectory() as home:
         records = Records(home)
         run_id, best = policy_run(records, a.env)
         rates = {"job": [], "job_episodes": [], "in_run": []}
         for repeat in range(a.repeats):
-            torch.set_num_threads(threads)  # Training sets it from the config; the job the same, for a like pair
+            torch.set_num_threads(threads)  # the run's eval thread has one; the job the same, for a like pair
             whole, episodes_only = job(records, run_id, a.env, a.episodes)
             rates["job"].append(whole)
             rates["job_episodes"].append(episodes_only)

@@ -365,7 +365,7 @@ def main():
                    help="run only these (trainer, two_jobs and oom use what sampler made)")
     args = p.parse_args()
     args.scale = TINY if args.tiny else FULL
-    torch.set_num_threads(RunConfig(env="max_digit").loop.threads)  # as in a run (Training sets it)
+    torch.set_num_threads(1)  # as in a run, on every thread but the updates' (Training sets it)
     if args.peak_tflops is None and torch.device(args.device).type == "cuda":
         args.peak_tflops = 989.0
     s, stop = {"panel": []}, threading.Event()

@@ -15,12 +15,14 @@
 import argparse
 import asyncio
 import math
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import transformers
@@ -86,6 +88,22 @@ class Timeline:
         }
 
 
+class Timing(transformers.TrainerCallback):
+    """TRL's side of a Timeline: started when training begins (at `threads` torch threads), every logged reward
+    booked, training stopped once over the time budget."""
+
+    def __init__(self, timeline: Timeline, threads: int):
+        self.timeline, self.threads = timeline, threads
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        torch.set_num_threads(self.threads)   # again here, in case trainer setup changed it
+        self.timeline.start()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs and self.timeline.record(logs["reward"]):
+            control.should_training_stop = True
+
+
 class _Stop(Exception):
     """Raised from our sink to end a run at its time budget: it ends the run at once, with no final eval or save."""
 
@@ -110,6 +128,14 @@ class BenchSink(NullSink):
 
     def heartbeat(self, *args, **kwargs):   # the loop calls it about every second; nothing to do here
         pass
+
+
+def isolated(run, *args):
+    """run(*args) in a process of its own: a trainer's torch thread teams (TRL's main thread splits its ops over two)
+    slow the next trainer in the same process, as libgomp throttles its waits once there are more team threads than
+    cores."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run, *args).result()
 
 
 def warm_started_policy(env: str, seed: int, out_dir: str, warm_start: dict) -> str:
@@ -155,7 +181,7 @@ def run_ours_max_digit(model_dir: str, seed: int, steps: int, max_seconds: float
         "model": {"preset": None, "path": model_dir},
         "warm_start": {"steps": 0},   # already warm-started, like the model TRL gets
         "loop": {"steps": steps, "groups_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
-                 "max_staleness": staleness, "temperature": TEMPERATURE, "eval_every": 0, "threads": 1},
+                 "max_staleness": staleness, "temperature": TEMPERATURE, "eval_every": 0},
         "algo": {"estimator": "grpo", "loss": "ppo", "clip_low": CLIP_LOW, "clip_high": CLIP_HIGH,
                  "lr": LR, "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "kl_coef": 0.0},
     }
@@ -188,15 +214,6 @@ def run_trl_max_digit(model_dir: str, seed: int, steps: int, max_seconds: float,
 
     timeline = Timeline(max_seconds)
 
-    class Timing(transformers.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            torch.set_num_threads(threads)   # again here, in case trainer setup changed it
-            timeline.start()
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs and timeline.record(logs["reward"]):
-                control.should_training_stop = True
-
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, seed=seed,
@@ -217,7 +234,7 @@ def run_trl_max_digit(model_dir: str, seed: int, steps: int, max_seconds: float,
             gradient_checkpointing=False,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=env_reward, args=args, train_dataset=dataset,
-                              processing_class=tokenizer, callbacks=[Timing()])
+                              processing_class=tokenizer, callbacks=[Timing(timeline, threads)])
         trainer.remove_callback(transformers.PrinterCallback)   # it prints every step's log dict to stdout
         torch.set_num_threads(threads)
         trainer.train()
@@ -234,11 +251,11 @@ def part1(args) -> list[str]:
             warm_started_policy("max_digit", seed, model_dir, {"steps": args.warm_steps})
             for name, k in zip(ours, args.ours_staleness):
                 log(f"part 1, seed {seed}: {name}")
-                rows[name].append(run_ours_max_digit(model_dir, seed, args.steps, args.max_seconds, k))
+                rows[name].append(isolated(run_ours_max_digit, model_dir, seed, args.steps, args.max_seconds, k))
                 log(f"  {fmt_run(rows[name][-1])}")
             for name, n in zip(trl, args.trl_threads):
                 log(f"part 1, seed {seed}: {name}")
-                rows[name].append(run_trl_max_digit(model_dir, seed, args.steps, args.max_seconds, n))
+                rows[name].append(isolated(run_trl_max_digit, model_dir, seed, args.steps, args.max_seconds, n))
                 log(f"  {fmt_run(rows[name][-1])}")
 
     out = [f"### Part 1: TRL GRPOTrainer vs ours, max_digit ({len(args.seeds)} seed(s): "
@@ -285,7 +302,7 @@ def part2(args) -> list[str]:
                          "eval_episodes": 64},
                 "algo": {"lr": PART2_LR},
             }
-            results[staleness] = run_ours(config, args.max_seconds)
+            results[staleness] = isolated(run_ours, config, args.max_seconds)
             log(f"  {fmt_run(results[staleness])}, final eval {results[staleness]['final_eval']}")
 
     out = [f"### Part 2: ours on calculator with tool latency {LATENCY}, max_staleness 2 vs 0 (seed {seed}; "
@@ -339,8 +356,8 @@ def main(argv=None):
     parser.add_argument("--warm-steps", type=int, default=WarmStartConfig().steps,
                         help="part 1: supervised warm-start steps before RL (default: the engine's default)")
     parser.add_argument("--trl-threads", type=int, nargs="+", default=None,
-                        help="torch threads for TRL runs, one row each (default: 1 and all cores); ours uses 1 "
-                             "intra-op thread but samples and trains in two OS threads")
+                        help="torch threads for TRL runs, one row each (default: 1 and all cores); ours uses the "
+                             "engine's default (loop.threads)")
     parser.add_argument("--ours-staleness", type=int, nargs="+", default=[0, 1],
                         help="part 1: our max_staleness settings (0 = on-policy like TRL; 1 overlaps rollout and update)")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny step counts, seed 0, TRL at 1 thread")

@@ -8,12 +8,10 @@ from . import data  # noqa: E402,F401  registers the dataset env
 __all__ = ["ENVS", "Agent", "AgentContext", "Env", "EnvFailure", "NullSink", "Observation", "Result", "RunConfig",
            "Sink", "config_errors", "load_agents_dir", "register", "train"]
 
-_TRAINING = ("EnvFailure", "train")
-
 
 def __getattr__(name):
     # Training needs torch and transformers; validating a config or listing envs does not (the web process).
-    if name in _TRAINING:
+    if name in ("EnvFailure", "train"):
         from . import loop
         return getattr(loop, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,16 +17,13 @@ class Alerts:
         cfg = self.cfg
         self.recent_stale.append((metrics["stale_dropped"], trained))
         dropped = sum(d for d, _ in self.recent_stale)
-        share = dropped / max(1, dropped + sum(t for _, t in self.recent_stale))
-        metrics["stale_share"] = share
-        checks = [
-            ("stale_share", "staleness", share, cfg.stale_share,
-             f"{share:.0%} of samples in the last {len(self.recent_stale)} steps were dropped as too stale"),
-            ("staleness_max", "staleness", metrics["staleness_max"], cfg.staleness_reaches,
-             f"a trained token was {metrics['staleness_max']:.0f} versions old"),
-            ("mismatch_kl", "mismatch", metrics["mismatch_kl"], cfg.mismatch_kl,
-             f"KL between behaviour and recomputed log-probs is {metrics['mismatch_kl']:.3g}"),
-        ]
+        metrics["stale_share"] = share = dropped / max(1, dropped + sum(t for _, t in self.recent_stale))
+        checks = [("stale_share", "staleness", share, cfg.stale_share,
+                   f"{share:.0%} of samples in the last {len(self.recent_stale)} steps were dropped as too stale"),
+                  ("staleness_max", "staleness", metrics["staleness_max"], cfg.staleness_reaches,
+                   f"a trained token was {metrics['staleness_max']:.0f} versions old"),
+                  ("mismatch_kl", "mismatch", metrics["mismatch_kl"], cfg.mismatch_kl,
+                   f"KL between behaviour and recomputed log-probs is {metrics['mismatch_kl']:.3g}")]
         # Every advantage is 0 when each group's rewards are equal: the loss has no gradient, nothing is learnt.
         self.no_signal = self.no_signal + 1 if metrics.get("grad_norm") == 0 or metrics.get("reward_std") == 0 else 0
         cause = ("Every episode succeeds: the task is solved for this policy; stop, or try a harder task"

@@ -27,11 +27,8 @@ def advantages(rewards: torch.Tensor, estimator: str, eps: float = 1e-4) -> torc
     centered = rewards - rewards.mean(dim=1, keepdim=True)
     if estimator == "grpo":
         return centered / (rewards.std(dim=1, keepdim=True) + eps)
-    if estimator == "dr_grpo":
-        return centered
-    if estimator == "rloo":
-        # r_i - mean_{j != i} r_j is the group-centred reward rescaled by G / (G - 1).
-        return centered * group_size / (group_size - 1)
+    if estimator in ("dr_grpo", "rloo"):  # rloo: r_i - mean_{j != i} r_j, the group-centred reward x G / (G - 1)
+        return centered * (group_size / (group_size - 1) if estimator == "rloo" else 1)
     # reinforce_baseline: one baseline over the whole batch. The unbiased std of a single value is nan; use 0.
     std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
     return (rewards - rewards.mean()) / (std + eps)
@@ -60,18 +57,12 @@ def is_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Te
     log_rho = torch.where(mask & ~undefined, log_rho, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if level != "token":
         undefined = undefined.any(dim=1, keepdim=True) & mask
-        seq_log_rho = log_rho.sum(dim=1, keepdim=True)
-        if level == "geo":
-            seq_log_rho = seq_log_rho / mask.sum(dim=1, keepdim=True).clamp(min=1)
-        log_rho = seq_log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(log_rho)
+        lengths = mask.sum(dim=1, keepdim=True).clamp(min=1) if level == "geo" else 1  # geo: the per-token mean
+        log_rho = (log_rho.sum(dim=1, keepdim=True) / lengths).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(log_rho)
     rho = log_rho.exp()
-    if mode == "trunc":
-        weights, outside = rho.clamp(max=high), rho > high
-    elif mode == "clip":
-        weights, outside = rho.clamp(low, high), (rho < low) | (rho > high)
-    else:
-        outside = (rho < low) | (rho > high)
-        weights = torch.where(outside, 0.0, rho)
+    # trunc: capped at high; clip: clamped into [low, high]; mask: 0 outside [low, high]
+    outside = rho > high if mode == "trunc" else (rho < low) | (rho > high)
+    weights = torch.where(outside, 0.0, rho) if mode == "mask" else rho.clamp(low if mode == "clip" else None, high)
     weights = torch.where(mask & ~undefined, weights, 0.0)
     return weights, (outside | undefined) & mask
 
@@ -83,19 +74,14 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     # -inf log-probs must not overflow exp() or poison gradients: a nan difference (-inf - -inf) reads as
     # "no difference", and the rest is clamped (zero gradient beyond the clamp).
     d = torch.where(torch.isnan(d), 0.0, d).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d**2
-    return d.exp() - d - 1
+    return -d if estimator == "k1" else 0.5 * d**2 if estimator == "k2" else d.exp() - d - 1
 
 
-def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-                advantages: torch.Tensor, mask: torch.Tensor, *, loss: str = "ppo",
-                clip_low: float = 0.2, clip_high: float = 0.28,
+def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, loss: str = "ppo", clip_low: float = 0.2, clip_high: float = 0.28,
                 is_level: str = "token", is_mode: str = "trunc", is_low: float = 0.0, is_high: float = 2.0,
-                kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
-                kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, float]]:
+                kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None, kl_estimator: str = "k3"
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean clipped policy-gradient loss (decoupled PPO or GSPO-token) with off-policy IS correction.
 
     logp [B, T] carries the gradient; prox_logp is the same policy detached; behav_logp was recorded by the
@@ -121,21 +107,15 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.T
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     total = masked_mean(-w * torch.minimum(unclipped, clipped), mask)
 
-    kl = torch.zeros_like(diff)
-    if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp, kl_estimator)
-        if kl_coef > 0:
-            total = total + kl_coef * masked_mean(kl, mask)
+    kl = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else torch.zeros_like(diff)
+    if kl_coef > 0 and ref_logp is not None:
+        total = total + kl_coef * masked_mean(kl, mask)
 
     with torch.no_grad():
         gap = prox_logp - behav_logp
         finite = mask & torch.isfinite(gap)  # underflowed tokens show up in is_filter_ratio instead
-        stats = {
-            "clip_ratio": masked_mean((clipped < unclipped).float(), mask),
-            "is_filter_ratio": masked_mean(filtered.float(), mask),
-            "mismatch_abs": masked_mean(gap.abs(), finite),
-            "mismatch_kl": masked_mean(kl_penalty(behav_logp, prox_logp, "k3"), finite),
-            "kl_ref": masked_mean(kl, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
+        stats = {"clip_ratio": masked_mean((clipped < unclipped).float(), mask),
+                 "is_filter_ratio": masked_mean(filtered.float(), mask), "mismatch_abs": masked_mean(gap.abs(), finite),
+                 "mismatch_kl": masked_mean(kl_penalty(behav_logp, prox_logp, "k3"), finite),
+                 "kl_ref": masked_mean(kl, mask), "ratio_mean": masked_mean(ratio, mask)}
     return total, {name: value.item() for name, value in stats.items()}

@@ -12,8 +12,7 @@ class Breaker:
         self.cfg = cfg
         self.healthy = deque(maxlen=cfg.window)  # norms of recent applied steps with a learning signal
         self.trips: list[int] = []                # steps of trips since the last rollback
-        self.cooldown_left = 0
-        self.rollbacks = 0
+        self.cooldown_left = self.rollbacks = 0
 
     def threshold(self) -> float:
         limit = self.cfg.abs_max or math.inf

@@ -105,8 +105,7 @@ async def run_tools(tools: dict, calls: list[dict], timeout: float) -> list[tupl
         if "error" in call:
             return "", f"error: {call['error']}", True
         name, arguments = call["name"], call["arguments"]
-        tool = tools.get(name)
-        if tool is None:
+        if (tool := tools.get(name)) is None:
             return name, f"error: unknown tool {name!r}; tools: {', '.join(tools)}", True
         try:
             inspect.signature(tool).bind(**arguments)

@@ -123,9 +123,8 @@ def size_bytes(path: Path) -> int:
 def _replace(path: Path, tmp: Path):
     """Put the directory written at `tmp` in the place of `path`, whole."""
     # Synced first: else os.replace can reach the disk before the files' contents do (a power loss, not just a kill).
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    for f in filter(Path.is_file, tmp.rglob("*")):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

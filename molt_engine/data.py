@@ -71,30 +71,37 @@ def _load(path: str, mtime: float) -> tuple[list[dict], int]:
                 rows.append(json.loads(line)) if line.strip() else None
             except json.JSONDecodeError as e:
                 raise ValueError(f"dataset: {path}:{number}: not JSON ({e})") from None
-    if rows and not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"dataset: {path}: every row must be a JSON object")
-    if not rows or "prompt" not in rows[0]:
-        raise ValueError(f"dataset: {path} has no 'prompt' column (columns: {', '.join(rows[0]) if rows else 'none'})")
+    _check_rows(path, rows)
     kept = [r for r in rows if r.get("prompt")]
     if not kept:
         raise ValueError(f"dataset: {path}: every prompt is empty")
     return kept, len(rows) - len(kept)
 
 
-def load_rows(path: str) -> tuple[list[dict], int]:
-    file = Path(path)
-    if not file.exists():
+def _check_rows(path: str, rows: list):
+    """Rows are JSON objects, and the first has a prompt."""
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"dataset: {path}: every row must be a JSON object")
+    if not rows or "prompt" not in rows[0]:
+        raise ValueError(f"dataset: {path} has no 'prompt' column "
+                         f"(columns: {', '.join(rows[0] if rows else ()) or 'none'})")
+
+
+def _existing(path: str) -> Path:
+    if not (file := Path(path)).exists():
         raise ValueError(f"dataset: {path!r} does not exist (relative paths are from {Path.cwd()})")
+    return file
+
+
+def load_rows(path: str) -> tuple[list[dict], int]:
+    file = _existing(path)
     return _load(str(file.resolve()), file.stat().st_mtime)
 
 
 def first_row(path: str) -> dict:
     """A dataset's first row, read without loading the rest (a config submitted to the web is checked on it; the
     worker loads the whole file and names any bad row)."""
-    file = Path(path)
-    if not file.exists():
-        raise ValueError(f"dataset: {path!r} does not exist (relative paths are from {Path.cwd()})")
-    if file.is_dir():
+    if (file := _existing(path)).is_dir():
         from datasets import load_from_disk
         rows = load_from_disk(path)  # memory-mapped: only the row asked for is read
         row = rows[0] if len(rows) else None
@@ -108,10 +115,7 @@ def first_row(path: str) -> dict:
             row = json.loads(line) if line else None
         except json.JSONDecodeError as e:
             raise ValueError(f"dataset: {path}: the first row is not JSON ({e})") from None
-    if row is not None and not isinstance(row, dict):
-        raise ValueError(f"dataset: {path}: every row must be a JSON object")
-    if not row or "prompt" not in row:
-        raise ValueError(f"dataset: {path} has no 'prompt' column (columns: {', '.join(row) if row else 'none'})")
+    _check_rows(path, [] if row is None else [row])
     return row
 
 
@@ -184,10 +188,9 @@ class Dataset(Env):
     async def step(self, action: str) -> Result:
         row = self._current
         columns = {**row, "answer": reference(row["answer"])} if "answer" in row else row
-        scoring = functools.partial(self.reward, action, **columns)
         try:
-            scored = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(_SCORING, scoring),
-                                            self.reward_timeout)
+            scored = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                _SCORING, functools.partial(self.reward, action, **columns)), self.reward_timeout)
         except TimeoutError:  # scored 0; the metric's mean is the share of episodes whose reward timed out
             return Result(reward=0.0, terminated=True, info={"metrics": {"reward_timeout_rate": 1.0}})
         scored = dict(scored) if isinstance(scored, dict) else {"reward": scored}
@@ -205,11 +208,9 @@ class Dataset(Env):
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivy", "Jon")
 THINGS = ("apples", "pens", "books", "coins", "cards", "shells", "stickers", "marbles")
-PROBLEMS = (
-    ("{n} has {a} {t}. {n} gets {b} more. How many {t} does {n} have now?", "+"),
-    ("{n} has {a} {t} and gives away {b}. How many {t} are left?", "-"),
-    ("{n} buys {a} bags with {b} {t} in each. How many {t} are there?", "*"),
-)
+PROBLEMS = (("{n} has {a} {t}. {n} gets {b} more. How many {t} does {n} have now?", "+"),
+            ("{n} has {a} {t} and gives away {b}. How many {t} are left?", "-"),
+            ("{n} buys {a} bags with {b} {t} in each. How many {t} are there?", "*"))
 
 
 def word_problem(rng: random.Random) -> dict:

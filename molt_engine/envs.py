@@ -350,10 +350,8 @@ class GuessNumber(Env):
 
     async def step(self, action: str) -> Result:
         guess = _parse_int(action)
-        if guess == self._secret_number:
-            return _final(True)
-        return Result(reward=0.0, observation="?\n" if guess is None else "higher\n" if guess < self._secret_number
-                      else "lower\n")
+        hint = "?\n" if guess is None else "higher\n" if guess < self._secret_number else "lower\n"
+        return _final(True) if guess == self._secret_number else Result(reward=0.0, observation=hint)
 
     def demonstration(self, seed: int) -> list[str]:
         # Binary search: ceil(log2(high + 1)) guesses at most, 5 for the default 1-16.

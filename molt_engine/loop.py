@@ -2,14 +2,15 @@
 import asyncio
 import copy
 import dataclasses
-import functools
 import gc
 import math
+import os
 import random
 import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from .episode import Episode
 from .models import load_policy, merged, routers
 from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
 from .sampler import Sampler
+from .serving.sampler_process import SamplerProcess
 from .samples import record, training_samples
 from .sink import NullSink, Sink
 from .update import batch_metrics, eval_metrics, memory_metrics, one_per_episode, train_step_fitting
@@ -36,8 +38,7 @@ class _Finished(Exception):
 
 def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Path | None = None,
           resume: bool = False) -> dict:
-    """Train a policy as `config` says; returns a summary with a status. Invalid config raises pydantic's
-    ValidationError. With `resume`, continue from the latest checkpoint in out_dir, if there is one."""
+    """Train as `config` says (if invalid: pydantic's ValidationError); `resume`: from out_dir's latest checkpoint."""
     cfg = config if isinstance(config, RunConfig) else RunConfig.model_validate(config)
     dist.init(cfg.dist)  # launched by torchrun: join its group; rank 0 reports, the others only train
     try:
@@ -51,7 +52,13 @@ class Training:
 
     def __init__(self, cfg: RunConfig, sink: Sink, out_dir=None):
         self.cfg, self.sink = dist.local_config(cfg), sink  # more than one process: this rank's share of the loop
-        torch.set_num_threads(cfg.loop.threads)
+        # Torch threads: on-policy, decode steps and updates take turns on one thread with every core; else updates get
+        # a core less, decoding one. One OpenMP team: more team threads than cores made 2 threads slower than 1.
+        cores = len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = cfg.loop.threads or max(1, cores - (cfg.loop.max_staleness > 0))
+        self.compute = ThreadPoolExecutor(1, "molt-compute", lambda: torch.get_num_threads() and torch.set_num_threads(threads))
+        self.compute.submit(int).result()  # started now; `get` first, as a thread's first torch call sets its count
+        torch.set_num_threads(1)  # the process's count, which every other thread starts with
         self.out_dir = Path(out_dir) if out_dir else None
         self.model, self.processor = load_policy(cfg.model, cfg.seed)
         self.tokenizer = getattr(self.processor, "tokenizer", self.processor)  # a VLM's processor wraps it
@@ -91,10 +98,10 @@ class Training:
     # ---- the loop -------------------------------------------------------------------------------------------------
 
     async def run(self, resume: bool = False) -> dict:
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        if on_main_thread:  # SIGTERM (the daemon's stop) and Ctrl-C: checkpoint, then leave cleanly
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                asyncio.get_running_loop().add_signal_handler(sig, self.request_stop)
+        # SIGTERM (the daemon's stop) and Ctrl-C: checkpoint, then leave cleanly. Only the main thread may handle them.
+        signals = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        for sig in signals:
+            asyncio.get_running_loop().add_signal_handler(sig, self.request_stop)
         try:
             await self.prepare(resume)
             # What lives all run (~500k objects) leaves the collector's books: a full collection walked all of it
@@ -117,9 +124,8 @@ class Training:
             raise group.exceptions[0] from None
         finally:
             gc.unfreeze()
-            if on_main_thread:
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    asyncio.get_running_loop().remove_signal_handler(sig)
+            for sig in signals:
+                asyncio.get_running_loop().remove_signal_handler(sig)
         return self.summary
 
     async def prepare(self, resume: bool):
@@ -150,14 +156,15 @@ class Training:
         self.published = dist.full_weights(self.model)
         # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device. Evals
         # decode on a copy of their own, so that one eval is one policy while training publishes (more memory).
-        sampler = functools.partial(Sampler, stop_ids=self.stops, pad_id=self.pad_id, version=self.version,
-                                    temperature=self.cfg.loop.temperature, kv_budget_gb=self.cfg.loop.kv_budget_gb)
-        policy = copy.deepcopy(self.model)  # LoRA: the sampler's is a plain model, given the merged weights
-        self.sampler = sampler((policy.merge_and_unload() if self.cfg.model.lora else policy).to(getattr(torch, dtype)))
-        evals = self.cfg.loop.eval_every and dist.rank() == 0  # more than one process: rank 0 evaluates
-        self.eval_sampler = sampler(copy.deepcopy(self.sampler.model)) if evals else None
-        # More than one process: the sampler and the reference stay plain copies; only the trained model is wrapped
-        self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)
+        loop, policy = self.cfg.loop, copy.deepcopy(self.model)  # LoRA: the sampler's is a plain model, merged weights
+        policy = (policy.merge_and_unload() if self.cfg.model.lora else policy).to(getattr(torch, dtype))
+        kw = dict(stop_ids=self.stops, pad_id=self.pad_id, version=self.version, temperature=loop.temperature,
+                  kv_budget_gb=loop.kv_budget_gb)
+        self.sampler = (SamplerProcess(policy, **kw) if loop.sampler_process else
+                        Sampler(policy, **kw, executor=None if loop.max_staleness else self.compute))
+        evals = loop.eval_every and dist.rank() == 0  # more than one process: rank 0 evaluates
+        self.eval_sampler = Sampler(copy.deepcopy(policy), **kw) if evals else None
+        self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)  # samplers: plain copies
 
     def request_stop(self):
         self.stopping = True
@@ -176,16 +183,13 @@ class Training:
             await asyncio.sleep(1.0)
 
     def may_start(self) -> bool:
-        """Admission control: a new group may start only while the groups in flight or buffered cannot get older
-        than max_staleness versions by the time the trainer reaches them (0 = exactly one batch per version).
-        After a breaker trip, admission is strictly on-policy until the cooldown has passed."""
-        loop = self.cfg.loop
-        staleness = 0 if self.breaker.cooldown_left else loop.max_staleness
-        return self.cursor - self.dropped_groups < (self.version + staleness + 1) * loop.groups_per_step
+        """Admission: a new group starts only if no group in flight or buffered can be more than max_staleness versions
+        old when trained (0 = one batch per version); on-policy while a breaker trip's cooldown lasts."""
+        staleness = 0 if self.breaker.cooldown_left else self.cfg.loop.max_staleness
+        return self.cursor - self.dropped_groups < (self.version + staleness + 1) * self.cfg.loop.groups_per_step
 
     def release(self, groups: int):
-        """Groups started but never trained (failed, too stale, filtered, refused by the breaker) free their
-        admission. The caller holds `changed`."""
+        """Groups started but never trained (failed, stale, filtered, refused) free their admission; holds `changed`."""
         self.dropped_groups += groups
         self.changed.notify_all()
 
@@ -244,7 +248,7 @@ class Training:
                 break
             (groups, waited), micro = batch, self.micro_batch_size
             dist.mark()  # in the step: the update marks each micro-batch, the heartbeat watches (dist.stalled)
-            metrics, weights, samples = await asyncio.to_thread(self.update, groups)
+            metrics, weights, samples = await asyncio.wrap_future(self.compute.submit(self.update, groups))
             self.step += 1
             if self.micro_batch_size != micro:
                 self.sink.event("oom", f"step {step}: out of memory in the update; retried with micro-batches of "
@@ -286,8 +290,8 @@ class Training:
         await self.finish()
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
-        """The update and the batch's metrics (in a worker thread). Returns them, the weights to publish and the
-        records of the batch's samples (record.samples_per_step groups). The micro-batch size that fit is kept."""
+        """The update (on the trainer's thread): its and the batch's metrics, the weights to publish and the batch's
+        samples' records (record.samples_per_step groups). The micro-batch size that fit is kept."""
         (metrics, weights, adv, trainer_logprobs), self.micro_batch_size = train_step_fitting(
             self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
             published=self.published, reference=self.reference, pad_id=self.pad_id,
@@ -306,8 +310,7 @@ class Training:
         return stop
 
     async def next_batch(self) -> tuple[list[list[Episode]], float] | None:
-        """Take groups_per_step groups, dropping (and counting) those that are too stale or carry no signal.
-        None if a stop was requested meanwhile (the groups taken so far go back to the buffer)."""
+        """groups_per_step groups, less (counted) those too stale or without signal; None on a stop (they go back)."""
         cfg, t0, batch = self.cfg, time.perf_counter(), []
         while len(batch) < cfg.loop.groups_per_step:
             async with self.changed:
@@ -327,8 +330,7 @@ class Training:
         return batch, time.perf_counter() - t0
 
     async def on_trip(self, step: int, groups, metrics) -> dict | None:
-        """The breaker refused this update: force sync, alert, and roll back or give up if it keeps happening.
-        Returns weights to publish (after a rollback) or None."""
+        """The breaker refused this update: force sync, alert, roll back (returns its weights) or give up."""
         async with self.changed:
             # The refused batch frees admission for a replacement; buffered episodes of older versions are dropped.
             stale = [g for g in self.buffer if min(e.oldest_version for e in g) < self.version]
@@ -354,8 +356,7 @@ class Training:
             self.breaker.rollbacks += 1
             weights = dist.full_weights(self.model)
             action += f"; rolled back to {good.name}"
-            self.sink.event("rollback", f"step {step}: rolled back to checkpoint {good.name}",
-                            step=step, path=str(good))
+            self.sink.event("rollback", f"step {step}: rolled back to checkpoint {good.name}", step=step, path=str(good))
         self.sink.alert("breaker", f"step {step}: grad norm {metrics['grad_norm']:.4g} above threshold "
                         f"{metrics.get('breaker_threshold', math.inf):.4g}; {action}", step=step,
                         norm=metrics["grad_norm"], threshold=metrics.get("breaker_threshold"), action=action)
@@ -411,8 +412,7 @@ class Training:
     # ---- checkpoints ----------------------------------------------------------------------------------------------
 
     async def save_checkpoint(self, version: int, weights: dict):
-        """Everything needed to continue exactly: weights, optimizer, RNGs, prompt cursor, untrained episodes.
-        More than one process: rank 0 writes the full weights and every rank's own state."""
+        """All needed to continue exactly (weights, optimizer, RNGs, cursor, untrained episodes); rank 0 writes."""
         state = {"step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
                  "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
                  "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],

@@ -21,9 +21,8 @@ _DENSE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_a
 PRESETS = {
     "tiny-dense": lambda vocab: LlamaConfig(vocab_size=vocab, max_position_embeddings=512, eos_token_id=1, **_DENSE),
     # 8 experts, top-2, about 1.07M parameters; an expert is small, so a step costs about what tiny-dense costs.
-    "tiny-moe": lambda vocab: Qwen3MoeConfig(
-        vocab_size=vocab, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        max_position_embeddings=512, eos_token_id=1, **_DENSE),
+    "tiny-moe": lambda vocab: Qwen3MoeConfig(vocab_size=vocab, moe_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, eos_token_id=1, **_DENSE),
     # The tiny-dense text model behind a 2-layer CLIP tower: a 32x32 image is 4 patches of 16x16, i.e. 4 tokens
     # ("default" strategy drops CLS), one per quadrant of the shapes env. The image placeholder is one token past
     # the char vocabulary.

@@ -36,7 +36,7 @@ class Request:
 
 class Sampler:
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
-                 kv_budget_gb: float | None = None):
+                 kv_budget_gb: float | None = None, executor=None):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.routers = routers(model)
@@ -54,7 +54,11 @@ class Sampler:
         self.mask = None                   # [rows, T] attention mask of the cache
         self.last = None                   # [rows] each row's last sampled token: the next decode step's input
         self.new_weights = None            # (state_dict, version) published by the trainer
+        # Finished requests' keys/values, by the tokens they hold (context + ids[:-1]), kept for the episode's next turn
+        # to start from: {tokens: (mask row, [(keys, values) per layer])}. Only this version's: a swap empties it.
+        self.parked: dict[tuple, tuple] = {}
         self.wake = asyncio.Event()
+        self.executor = executor  # where decode steps run (on-policy: the updates' thread); None: asyncio's
         self.stats = {"steps": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0, "tokens": 0}
 
     def publish(self, state_dict, version: int):
@@ -80,7 +84,7 @@ class Sampler:
                 self.stats["idle_s"] += time.perf_counter() - t0
                 continue
             t0 = time.perf_counter()
-            finished = await asyncio.to_thread(self.step)
+            finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.step)
             self.stats["busy_s"] += time.perf_counter() - t0
             for req in finished:
                 if not req.future.done():  # its episode may have been cancelled
@@ -96,6 +100,7 @@ class Sampler:
         if self.new_weights is not None:
             (state_dict, self.version), self.new_weights = self.new_weights, None
             self.model.load_state_dict(state_dict)
+            self.parked.clear()
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
                 # exactly that of the version it is tagged with (what the trainer's recomputation will check).
@@ -117,6 +122,14 @@ class Sampler:
         self.stats["rows"] += len(self.active)
         done = [r.ids[-1] in self.stop_ids or len(r.ids) >= r.max_tokens for r in self.active]
         finished = [r for r, d in zip(self.active, done) if d]
+        # A multi-turn episode's next context starts with what a finished request holds: park its row, so that turn
+        # prefills only the new tokens. Not under a KV budget (parked rows are outside its books), nor with images.
+        park = [r for r in finished if not r.images and self.kv_tokens is None]
+        if park:
+            rows = torch.tensor([r.row for r in park], device=self.device)
+            mask, kv = self.mask[rows], [(layer.keys[rows], layer.values[rows]) for layer in self.cache.layers]
+            for i, r in enumerate(park):
+                self.parked.setdefault(tuple(r.context + r.ids[:-1]), (mask[i], [(k[i], v[i]) for k, v in kv]))
         self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished
 
@@ -150,10 +163,11 @@ class Sampler:
         rows = torch.tensor([req.row for req in reqs], device=self.device)
         logp, entropy = logp[rows], entropy[rows]
         gumbel = torch.zeros_like(logp)  # greedy requests take the argmax of logp itself
-        for i, req in enumerate(reqs):
-            if not req.greedy:  # on the request's generator, which lives on the logits' device
-                uniform = torch.rand(logp.shape[-1], generator=req.generator, device=logp.device).clamp(1e-20, 1.0)
-                gumbel[i] = -torch.log(-torch.log(uniform))
+        sampling = [i for i, req in enumerate(reqs) if not req.greedy]
+        if sampling:  # each row on its request's generator (on the logits' device), then one transform for all
+            uniform = torch.stack([torch.rand(logp.shape[-1], generator=reqs[i].generator, device=logp.device)
+                                   for i in sampling])
+            gumbel[sampling] = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0)))
         tokens = (logp + gumbel).argmax(-1)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
         for i, (req, token, lp, h) in enumerate(zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist())):
@@ -168,27 +182,44 @@ class Sampler:
                 req.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
         self.stats["tokens"] += len(reqs)
 
-    def _prefill(self, reqs: list[Request], seqs: list[list[int]]):
+    def _prefill(self, reqs: list[Request], seqs: list[list[int]], parked: list | None = None):
         """Run sequences (seqs[i] is reqs[i]'s) as one left-padded batch: the cache, attention mask, last-position
         logits and (MoE) experts of its rows, and each sequence's row. Identical text-only sequences (a group's
         shared prompt, the same tool call made by several of its episodes) run once. The requests' images go in
-        row-major order, the order of their placeholder tokens; decode steps need none."""
+        row-major order, the order of their placeholder tokens; decode steps need none. `parked[i]`: (n, mask row,
+        keys/values) of seqs[i]'s first n tokens, from the episode's previous turn; only the rest runs, after them."""
+        parked = parked or [None] * len(reqs)
         images = [image for r in reqs for image in r.images]
-        slot = {}  # distinct sequence -> its row in the forward; with images, every sequence is its own
-        row = torch.tensor([slot.setdefault((tuple(s), i if images else 0), len(slot)) for i, s in enumerate(seqs)],
-                           device=self.device)
-        distinct = [list(key[0]) for key in slot]
-        width = max(len(s) for s in distinct)
-        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in distinct], device=self.device)
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in distinct], device=self.device)
+        # Distinct sequence -> its row in the forward; with images, every sequence is its own
+        keys = [(tuple(s), i if images else 0, p[0] if p else 0) for i, (s, p) in enumerate(zip(seqs, parked))]
+        first = {key: i for i, key in reversed(list(enumerate(keys)))}  # each distinct key's first request
+        owners = sorted(first.values())  # the request whose sequence each row runs
+        row = torch.tensor([owners.index(first[key]) for key in keys], device=self.device)
+        new = [seqs[i][parked[i][0] if parked[i] else 0:] for i in owners]  # the tokens each row still runs
+        width = max(len(s) for s in new)
+        ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in new], device=self.device)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in new], device=self.device)
+        cache, kept = DynamicCache(), max((len(parked[i][1]) for i in owners if parked[i]), default=0)
+        if kept:  # the parked rows first, left-padded to the longest; a row without one has only padding there
+            some = next(parked[i] for i in owners if parked[i])
+            rows = [parked[i] or (0, some[1][:0], [(k[:, :0], v[:, :0]) for k, v in some[2]]) for i in owners]
+            for layer in range(len(some[2])):
+                cache.update(*(torch.stack([F.pad(p[2][layer][kind], (0, 0, kept - len(p[1]), 0)) for p in rows])
+                               for kind in (0, 1)), layer)
+            mask = torch.cat([torch.stack([F.pad(p[1], (kept - len(p[1]), 0)) for p in rows]), mask], 1)
         pixels = {"pixel_values": torch.stack(images).to(self.device)} if images else {}
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                         cache=DynamicCache(), use_cache=True, logits_to_keep=1, **pixels)
-        return out.cache, mask, out.logits[:, -1], self._last_routes(len(distinct)), row
+        out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1,
+                         position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, kept:], **pixels)
+        return out.cache, mask, out.logits[:, -1], self._last_routes(len(owners)), row
 
     def _join(self, reqs: list[Request]):
-        """Prefill the new requests, sample their first token, append their rows to the running cache."""
-        cache, mask, logits, routes, row = self._prefill(reqs, [r.context for r in reqs])
+        """Prefill the new requests, sample their first token, append their rows to the running cache. A request
+        whose context starts with a parked sequence (its episode's previous turn) starts from that sequence's keys and
+        values, the longest such one, and prefills only the rest."""
+        lengths = sorted({len(key) for key in self.parked}, reverse=True)
+        parked = [None if r.images else next(((n, *self.parked[key]) for n in lengths if n < len(r.context) and
+                                              (key := tuple(r.context[:n])) in self.parked), None) for r in reqs]
+        cache, mask, logits, routes, row = self._prefill(reqs, [r.context for r in reqs], parked)
         for req, i in zip(reqs, row.tolist()):
             req.row = i
         self._sample(reqs, logits, routes)

@@ -29,28 +29,24 @@ def record(e: Episode, processor, version: int, advantage: float | None = None,
     thumbnails. trainer_logprobs None: not in the training forward (advantage 0, or an eval episode)."""
     tokenizer = getattr(processor, "tokenizer", processor)
     first_action = e.is_action.index(True) if any(e.is_action) else len(e.token_ids)
-    entropies = e.entropies or [None] * len(e.token_ids)  # none in episodes restored from older checkpoints
-    return {
-        "group": e.group, "seed": e.seed, "version": version, "reward": e.reward, "advantage": advantage,
-        "success": bool(e.info.get("success")), "turns": e.info.get("turns", 0),
-        "tool_calls": e.info.get("tool_calls", 0), "tool_errors": e.info.get("tool_errors", 0),
-        "prompt": tokenizer.decode(e.token_ids[:first_action]), "text": tokenizer.decode(e.token_ids),
-        "tokens": {
-            "id": e.token_ids, "text": tokenizer.batch_decode([[t] for t in e.token_ids]), "action": e.is_action,
-            "logprob": [lp if a else None for lp, a in zip(e.logprobs, e.is_action)],
-            "trainer_logprob": [lp if a else None for lp, a in zip(trainer_logprobs, e.is_action)]
-                               if trainer_logprobs else [None] * len(e.token_ids),
-            "version": e.versions, "entropy": [h if a else None for h, a in zip(entropies, e.is_action)],
-        },
-        "images": [thumbnail(pixels, processor) for pixels in e.images],
-    }
+
+    def on_actions(values: list | None) -> list:  # the action tokens' values; None elsewhere (everywhere without any)
+        return [v if a else None for v, a in zip(values or [None] * len(e.token_ids), e.is_action)]
+    return {"group": e.group, "seed": e.seed, "version": version, "reward": e.reward, "advantage": advantage,
+            "success": bool(e.info.get("success")), "turns": e.info.get("turns", 0),
+            "tool_calls": e.info.get("tool_calls", 0), "tool_errors": e.info.get("tool_errors", 0),
+            "prompt": tokenizer.decode(e.token_ids[:first_action]), "text": tokenizer.decode(e.token_ids),
+            "tokens": {"id": e.token_ids, "text": tokenizer.batch_decode([[t] for t in e.token_ids]),
+                       "action": e.is_action, "logprob": on_actions(e.logprobs),
+                       "trainer_logprob": on_actions(trainer_logprobs), "version": e.versions,
+                       "entropy": on_actions(e.entropies)},  # no entropies in episodes of older checkpoints
+            "images": [thumbnail(pixels, processor) for pixels in e.images]}
 
 
 def thumbnail(pixels: torch.Tensor, processor) -> str:
     """A processor's normalized pixel values [C, H, W] back to a small PNG, as a data: URL."""
     image_processor = processor.image_processor
-    mean = torch.tensor(image_processor.image_mean)[:, None, None]
-    std = torch.tensor(image_processor.image_std)[:, None, None]
+    mean, std = (torch.tensor(v)[:, None, None] for v in (image_processor.image_mean, image_processor.image_std))
     rgb = ((pixels.float() * std + mean).clamp(0, 1) * 255).round().byte().permute(1, 2, 0).numpy()
     image = Image.fromarray(rgb)
     image.thumbnail((THUMBNAIL, THUMBNAIL))

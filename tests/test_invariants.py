@@ -1,6 +1,10 @@
 """The token-first contract's invariants: token, logprob and version consistency, proven on real runs."""
 import asyncio
 import copy
+import multiprocessing
+import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -136,8 +140,11 @@ def test_trained_tokens_are_exactly_the_sampled_tokens(tmp_path, capture, regist
     assert retokenized_differs > 0  # the hazard was really there
 
 
-def test_on_policy_recomputed_logprobs_equal_recorded(capture):
-    summary = train({"env": "calculator", "loop": {**SMALL, "steps": 4, "max_staleness": 0}, "warm_start": {"steps": 3}})
+@pytest.mark.parametrize("process", [False, True], ids=["sampler in the loop's process", "sampler process"])
+def test_on_policy_recomputed_logprobs_equal_recorded(capture, process):
+    summary = train({"env": "calculator", "loop": {**SMALL, "steps": 4, "max_staleness": 0, "sampler_process": process},
+                     "warm_start": {"steps": 3}})
+    assert not multiprocessing.active_children()  # a sampler process ends with its run
     assert len(capture["losses"]) == 4
     for logp, behav, mask in capture["losses"]:
         assert mask.any()
@@ -147,10 +154,54 @@ def test_on_policy_recomputed_logprobs_equal_recorded(capture):
     assert summary["staleness_max"] == 0
 
 
-def test_shared_prompt_forward_equals_the_full_forward():
-    """token_logprobs runs what rows share once (identical episodes; the columns of a group's prompt): its log-probs
-    and gradients are those of one full forward over the padded batch, for multi-turn episodes, prompts of different
-    lengths, and same-length prompts that differ (rows share only what is really equal)."""
+def test_a_sampler_process_samples_each_published_version_within_the_staleness_bound(capture):
+    summary = train({"env": "calculator", "loop": {**SMALL, "steps": 6, "max_staleness": 1, "sampler_process": True},
+                     "warm_start": {"steps": 3}})
+    versions = [v for episodes, _ in capture["batches"] for e in episodes for v, a in zip(e.versions, e.is_action) if a]
+    assert summary["status"] == "completed" and len(capture["batches"]) == 6
+    # Batch k is sampled by versions k-1 and k: the child swapped the published weights in as they came
+    assert summary["staleness_max"] <= 1 and min(versions) == 0 and max(versions) >= 4
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_updates_run_on_one_thread_with_the_loops_torch_threads_which_decoding_shares_on_policy(monkeypatch, staleness):
+    """One thread runs every update with loop.threads intra-op threads (one OpenMP team); on-policy the decode steps
+    take turns on it, off-policy they run elsewhere on one thread; the loop's own thread keeps one."""
+    seen, real_update, real_step = [], loop_mod.Training.update, Sampler.step
+
+    def spy(kind, real):
+        def call(self, *args):
+            seen.append((kind, threading.current_thread().name, torch.get_num_threads()))
+            return real(self, *args)
+        return call
+
+    monkeypatch.setattr(loop_mod.Training, "update", spy("update", real_update))
+    monkeypatch.setattr(Sampler, "step", spy("step", real_step))
+    train({"env": "calculator", "loop": {**SMALL, "steps": 3, "max_staleness": staleness, "threads": 2},
+           "warm_start": {"steps": 0}})
+    updates, steps = ({(name, n) for k, name, n in seen if k == kind} for kind in ("update", "step"))
+    assert updates == {("molt-compute_0", 2)} and torch.get_num_threads() == 1
+    assert steps == updates if staleness == 0 else all(n == 1 and name != "molt-compute_0" for name, n in steps)
+
+
+def test_a_dead_sampler_process_fails_the_run_naming_it():
+    class Killer(loop_mod.NullSink):
+        def metrics(self, step, values):  # after the first step: SIGKILL, as the kernel's OOM killer sends
+            for child in multiprocessing.active_children() if step == 1 else []:
+                os.kill(child.pid, signal.SIGKILL)
+
+    with pytest.raises(RuntimeError, match=r"the sampler process exited \(code -9\)"):
+        train({"env": "calculator", "loop": {**SMALL, "steps": 50, "sampler_process": True},
+               "warm_start": {"steps": 0}}, Killer())
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("long_rows", [0, 3])
+def test_shared_prompt_forward_equals_the_full_forward(long_rows):
+    """token_logprobs runs what rows share once (identical episodes; the columns of a group's prompt) and rows of far
+    longer episodes in a chunk of their own: its log-probs and gradients are those of one full forward over the padded
+    batch, for multi-turn episodes, prompts of different lengths, and same-length prompts that differ (rows share
+    only what is really equal)."""
     tok = char_tokenizer()
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=3)
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
@@ -165,6 +216,11 @@ def test_shared_prompt_forward_equals_the_full_forward():
             ep.extend(encode(f"={turn}\n"))
         episodes.append(ep)
     episodes.insert(1, copy.deepcopy(episodes[0]))  # a group's episodes often sample the very same tokens
+    for _ in range(long_rows):  # a group whose replies are 100 tokens: padding the others to them costs 600 positions
+        episodes.append(Episode(seed=9, group=9))
+        episodes[-1].extend(encode("Q 9*9\n"))
+        episodes[-1].extend(torch.randint(3, tok.vocab_size, (100,), generator=g).tolist(), action=True,
+                            logprobs=[0.0] * 100, versions=[0] * 100)
     batch = collate(episodes, tok.pad_token_id)
     rows_seen = []
     hook = model.model.register_forward_pre_hook(lambda m, args, kw: rows_seen.append(tuple(kw["input_ids"].shape)),
@@ -182,7 +238,9 @@ def test_shared_prompt_forward_equals_the_full_forward():
     # Three distinct prompts: "Q 12+5", "Q 7*8" and "Q 12+6" (the last token of each prompt starts the suffix), and
     # six distinct episodes out of seven.
     split = batch["prompt_width"] - 1
-    assert rows_seen == [(3, split), (6, batch["input_ids"].shape[1] - split)]
+    short = split + int(batch["attention_mask"][:7, split:].sum(1).max())  # the short rows' longest
+    assert rows_seen == [(3, split), (6, short - split)] + [(1, split), (3, batch["input_ids"].shape[1] - split)] * (
+        long_rows > 0)
     assert torch.equal(logp[0], logp[1]) and (logp[0] != 0).any()
     assert mask.sum() == sum(e.n_actions for e in episodes) and mask[:, :split].sum() == 0
     assert (logp[mask] - full[mask]).abs().max() <= 1e-5
@@ -342,6 +400,42 @@ def test_weight_swap_mid_generation_reprefills_with_images():
             logp = token_logprobs(model.eval(), batch, 1.0)
         tagged = batch["action_mask"] & (batch["versions"] == version)
         assert tagged.sum() >= 2 and (logp[tagged] - batch["behav_logp"][tagged]).abs().max() <= 1e-5
+
+
+def test_a_next_turn_prefills_only_its_new_tokens_and_its_logprobs_stay_exact():
+    """A finished request's keys/values wait (parked) for its episode's next turn, whose prefill then runs only the
+    tokens after them, beside a first turn that runs in full; its recorded log-probs are those of one forward over the
+    whole episode. A weight swap empties the parked rows: the turn after it prefills in full, tagged with the new
+    version."""
+    tok = char_tokenizer()
+    old, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    new, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=2)
+    sampler = Sampler(copy.deepcopy(old), [], tok.pad_token_id, temperature=1.0)  # no stop ids: 4 tokens a reply
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    rows = []
+    sampler.model.model.register_forward_pre_hook(lambda m, args, kw: rows.append(tuple(kw["input_ids"].shape)),
+                                                  with_kwargs=True)
+
+    def turn(*contexts):  # one reply to each context, to its end; `rows` keeps this turn's forwards
+        reqs = [Request(c, 4, False, torch.Generator().manual_seed(len(c))) for c in contexts]
+        sampler.pending += reqs
+        rows.clear()
+        while sampler.pending or sampler.active:
+            sampler.step()
+        return reqs
+
+    first, = turn(encode("Q 12*3\n"))
+    second, fresh = turn(first.context + first.ids + encode("=36\n"), encode("Q 7+8\n"))
+    assert len(second.context) == 15 and rows[0] == (2, 6)  # the last reply token and "=36\n"; "Q 7+8\n" in full
+    sampler.publish(new.state_dict(), 1)
+    third, = turn(second.context + second.ids + encode("=1\n"))
+    assert rows[0] == (1, len(third.context)) and third.versions == [1] * 4
+    for req, model in [(first, old), (second, old), (fresh, old), (third, new)]:
+        ids = torch.tensor([req.context + req.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
+        assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
 def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
