@@ -127,9 +127,9 @@ def token_logprobs(model, batch, temperature: float):
     ids, mask, positions, targets = ids[first], mask[first], positions[first], targets[first]
     split = max(batch["prompt_width"] - 1, 0)  # every target that can be an action is at this column or later
     parts, order = [], []
-    for chunk in _length_chunks(mask[:, split:].sum(1).tolist()):  # a row's columns from the split to its end
+    for chunk in _length_chunks(lengths := mask[:, split:].sum(1).tolist()):  # each row's columns from the split
         r = torch.tensor(chunk, device=ids.device)
-        width = split + int(mask[r, split:].sum(1).max())
+        width = split + max(lengths[i] for i in chunk)
         cache = None
         if split:
             prefix, prefix_row = _distinct(torch.cat([ids[r, :split], mask[r, :split]], 1))

@@ -192,9 +192,9 @@ class Sampler:
         images = [image for r in reqs for image in r.images]
         # Distinct sequence -> its row in the forward; with images, every sequence is its own
         keys = [(tuple(s), i if images else 0, p[0] if p else 0) for i, (s, p) in enumerate(zip(seqs, parked))]
-        first = {key: i for i, key in reversed(list(enumerate(keys)))}  # each distinct key's first request
-        owners = sorted(first.values())  # the request whose sequence each row runs
-        row = torch.tensor([owners.index(first[key]) for key in keys], device=self.device)
+        slot = {key: n for n, key in enumerate(dict.fromkeys(keys))}  # distinct key -> its row, in first-seen order
+        owners = [keys.index(key) for key in slot]  # the request whose sequence each row runs
+        row = torch.tensor([slot[key] for key in keys], device=self.device)
         new = [seqs[i][parked[i][0] if parked[i] else 0:] for i in owners]  # the tokens each row still runs
         width = max(len(s) for s in new)
         ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in new], device=self.device)
