@@ -144,10 +144,10 @@ def token_logprobs(model, batch, temperature: float):
     return torch.cat(parts)[torch.tensor(order, device=ids.device).argsort()][row]
 
 
-def _length_chunks(lengths: list[int], overhead: int = 128) -> list[list[int]]:
+def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
     """Rows (indices into `lengths`) in chunks of similar length that compute the fewest positions: a chunk costs its
-    rows times its longest length, plus `overhead` positions for the fixed cost of one more forward and backward (on
-    2 CPU cores, about what 128 positions of the tiny presets cost). One chunk while padding is cheaper than that."""
+    rows times its longest length, plus `overhead` positions for the fixed cost of one more forward and backward
+    (about what 256 positions of the tiny presets cost on 2 CPU cores). One chunk while padding is cheaper than that."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     starts = [i for i in range(len(order)) if i == 0 or lengths[order[i]] != lengths[order[i - 1]]]
     best = {len(order): (0, [])}  # the chunks from a start to the end: (least cost, chunks)

@@ -55,7 +55,8 @@ class Sampler:
         self.last = None                   # [rows] each row's last sampled token: the next decode step's input
         self.new_weights = None            # (state_dict, version) published by the trainer
         # Finished requests' keys/values, by the tokens they hold (context + ids[:-1]), kept for the episode's next turn
-        # to start from: {tokens: (mask row, [(keys, values) per layer])}. Only this version's: a swap empties it.
+        # to start from: {tokens: (mask row, [2 x layers, heads, tokens, head_dim]: each layer's keys, then values)}.
+        # Only this version's: a swap empties it.
         self.parked: dict[tuple, tuple] = {}
         self.wake = asyncio.Event()
         self.executor = executor  # where decode steps run (on-policy: the updates' thread); None: asyncio's
@@ -127,9 +128,9 @@ class Sampler:
         park = [r for r in finished if not r.images and self.kv_tokens is None]
         if park:
             rows = torch.tensor([r.row for r in park], device=self.device)
-            mask, kv = self.mask[rows], [(layer.keys[rows], layer.values[rows]) for layer in self.cache.layers]
-            for i, r in enumerate(park):
-                self.parked.setdefault(tuple(r.context + r.ids[:-1]), (mask[i], [(k[i], v[i]) for k, v in kv]))
+            kv = torch.stack([x[rows] for layer in self.cache.layers for x in (layer.keys, layer.values)], 1)
+            for r, mask, keys_values in zip(park, self.mask[rows], kv):
+                self.parked.setdefault(tuple(r.context + r.ids[:-1]), (mask, keys_values))
         self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished
 
@@ -192,8 +193,9 @@ class Sampler:
         images = [image for r in reqs for image in r.images]
         # Distinct sequence -> its row in the forward; with images, every sequence is its own
         keys = [(tuple(s), i if images else 0, p[0] if p else 0) for i, (s, p) in enumerate(zip(seqs, parked))]
-        slot = {key: n for n, key in enumerate(dict.fromkeys(keys))}  # distinct key -> its row, in first-seen order
-        owners = [keys.index(key) for key in slot]  # the request whose sequence each row runs
+        # a row per distinct key, in first-seen order, running the sequence of the first request with that key
+        owners = sorted({key: i for i, key in reversed(list(enumerate(keys)))}.values())
+        slot = {keys[i]: n for n, i in enumerate(owners)}  # distinct key -> its row
         row = torch.tensor([slot[key] for key in keys], device=self.device)
         new = [seqs[i][parked[i][0] if parked[i] else 0:] for i in owners]  # the tokens each row still runs
         width = max(len(s) for s in new)
@@ -202,10 +204,10 @@ class Sampler:
         cache, kept = DynamicCache(), max((len(parked[i][1]) for i in owners if parked[i]), default=0)
         if kept:  # the parked rows first, left-padded to the longest; a row without one has only padding there
             some = next(parked[i] for i in owners if parked[i])
-            rows = [parked[i] or (0, some[1][:0], [(k[:, :0], v[:, :0]) for k, v in some[2]]) for i in owners]
-            for layer in range(len(some[2])):
-                cache.update(*(torch.stack([F.pad(p[2][layer][kind], (0, 0, kept - len(p[1]), 0)) for p in rows])
-                               for kind in (0, 1)), layer)
+            rows = [parked[i] or (0, some[1][:0], some[2][:, :, :0]) for i in owners]
+            kv = torch.stack([F.pad(p[2], (0, 0, kept - len(p[1]), 0)) for p in rows])  # [rows, 2 x layers, ...]
+            for layer in range(kv.shape[1] // 2):
+                cache.update(kv[:, 2 * layer], kv[:, 2 * layer + 1], layer)
             mask = torch.cat([torch.stack([F.pad(p[1], (kept - len(p[1]), 0)) for p in rows]), mask], 1)
         pixels = {"pixel_values": torch.stack(images).to(self.device)} if images else {}
         out = self.model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1,
@@ -229,8 +231,7 @@ class Sampler:
         for req in reqs:
             req.row += len(self.mask)
         # Left-pad the shorter of the two caches so both have the same length, then stack the rows.
-        old_len, new_len = self.mask.shape[1], mask.shape[1]
-        total = max(old_len, new_len)
+        total = max(old_len := self.mask.shape[1], new_len := mask.shape[1])
         for old, new in zip(self.cache.layers, cache.layers):
             old.keys = torch.cat([F.pad(old.keys, (0, 0, total - old_len, 0)), F.pad(new.keys, (0, 0, total - new_len, 0))])
             old.values = torch.cat([F.pad(old.values, (0, 0, total - old_len, 0)), F.pad(new.values, (0, 0, total - new_len, 0))])

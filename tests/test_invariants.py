@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import molt_engine.loop as loop_mod
 import molt_engine.update as update_mod
 from molt_engine import Env, Observation, Result, register, train
-from molt_engine.envs import ENVS, Shapes
+from molt_engine.envs import ENVS, Calculator, Shapes
 from molt_engine.episode import Episode, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig
@@ -182,6 +182,19 @@ def test_updates_run_on_one_thread_with_the_loops_torch_threads_which_decoding_s
     updates, steps = ({(name, n) for k, name, n in seen if k == kind} for kind in ("update", "step"))
     assert updates == {("molt-compute_0", 2)} and torch.get_num_threads() == 1
     assert steps == updates if staleness == 0 else all(n == 1 and name != "molt-compute_0" for name, n in steps)
+
+
+def test_a_sampler_process_runs_the_envs_episodes_and_their_env_errors_are_counted(monkeypatch):
+    """The training env's episodes run in the child: an env step that would fail here (in the loop's process) never
+    runs, while the child's injected env errors cross back and are counted as in the loop's own process."""
+    async def not_here(self, action):
+        raise AssertionError("an env step ran in the loop's process")
+
+    monkeypatch.setattr(Calculator, "step", not_here)
+    summary = train({"env": "calculator", "loop": {**SMALL, "steps": 3, "max_staleness": 1, "sampler_process": True},
+                     "warm_start": {"steps": 0}, "drills": {"env_error_rate": 0.2}})
+    assert summary["status"] == "completed" and summary["step"] == 3 and summary["env_errors"] > 0
+    assert not multiprocessing.active_children()
 
 
 def test_a_dead_sampler_process_fails_the_run_naming_it():
