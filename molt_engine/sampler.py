@@ -191,9 +191,9 @@ class Sampler:
         keys/values) of seqs[i]'s first n tokens, from the episode's previous turn; only the rest runs, after them."""
         parked = parked or [None] * len(reqs)
         images = [image for r in reqs for image in r.images]
-        # Distinct sequence -> its row in the forward; with images, every sequence is its own
+        # A row per distinct key (the sequence and its parked length; with images, every sequence is its own), in
+        # first-seen order, running the sequence of the first request with that key
         keys = [(tuple(s), i if images else 0, p[0] if p else 0) for i, (s, p) in enumerate(zip(seqs, parked))]
-        # a row per distinct key, in first-seen order, running the sequence of the first request with that key
         owners = sorted({key: i for i, key in reversed(list(enumerate(keys)))}.values())
         slot = {keys[i]: n for n, i in enumerate(owners)}  # distinct key -> its row
         row = torch.tensor([slot[key] for key in keys], device=self.device)

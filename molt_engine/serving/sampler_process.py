@@ -4,7 +4,6 @@ sampling and training keep two cores busy."""
 import asyncio
 import copy
 import itertools
-import pickle
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..envs import load_user_envs
-from ..rollout import Rollout
+from ..rollout import EnvError, Rollout
 from ..sampler import Request, Sampler
 
 RESULTS = ("ids", "logprobs", "versions", "experts", "entropies", "top_logprobs")  # what a finished request brings back
@@ -116,8 +115,10 @@ async def _child(model, kwargs: dict, env, requests, results):
     """Decode (Sampler.run, its steps on a thread) and run episodes as the parent's messages ask; answers finished in
     one pass of the event loop go back as one message."""
     loop, sampler = asyncio.get_running_loop(), Sampler(model, **kwargs, executor=ThreadPoolExecutor(1, "molt-decode"))
-    load_user_envs()  # the envs the parent knows: built in, $MOLT_ENVS's, the launching script's (spawn imports it)
-    rollout = Rollout(*env) if env else None
+    rollout = None
+    if env:
+        load_user_envs()  # the envs the parent knows: built in, $MOLT_ENVS's, the launching script's (spawn imports it)
+        rollout = Rollout(*env)
     tasks, outbox, stopped = {}, [], loop.create_future()  # key -> its task; (key, answer) to send
 
     def flush():
@@ -130,8 +131,8 @@ async def _child(model, kwargs: dict, env, requests, results):
             value = [getattr(value, name) for name in RESULTS] if isinstance(value, Request) else value
         except asyncio.CancelledError:  # the parent no longer waits for it
             return
-        except Exception as e:
-            value = e if _picklable(e) else RuntimeError("".join(traceback.format_exception(e)))
+        except Exception as e:  # an env error is counted; anything else fails the run with the child's traceback
+            value = e if isinstance(e, EnvError) else RuntimeError("".join(traceback.format_exception(e)))
         finally:
             tasks.pop(key, None)
         if not outbox:
@@ -163,11 +164,3 @@ async def _child(model, kwargs: dict, env, requests, results):
         decoding.result()  # its error
     decoding.cancel()
     results.send(("stopped", [], sampler.stats))
-
-
-def _picklable(error: Exception) -> bool:
-    try:
-        pickle.dumps(error)
-        return True
-    except Exception:
-        return False
