@@ -123,6 +123,10 @@ def main(argv=None) -> int:
             get_error_handler().record_exception(e)
             os.replace(error_file + ".part", error_file)
     finally:
+        # Training is over and the engine gave SIGTERM back its default (die at once). A stop arriving now, such as
+        # the one torchrun passes on after rank 0 already stopped at the dashboard's word, must not kill the process
+        # before its end is recorded: that end would be lost and the attempt's cause a bare "exit code 0".
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if isinstance(sink, HttpSink) and values.get("outcome") not in (None, "error"):
             sink.end(values["outcome"], summary)  # the dashboard records the end as _record does (an error's
         elif sink:                                # cause reaches the worker through torchrun and Ray instead)
