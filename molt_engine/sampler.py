@@ -16,7 +16,7 @@ class Request:
     context: list[int]            # the whole episode so far: prompt, earlier actions, env feedback
     max_tokens: int
     greedy: bool
-    generator: torch.Generator    # per request, so an episode's samples don't depend on who shares its batch
+    seed: int                     # with the count of tokens sampled, its random numbers (see Sampler._sample)
     images: list = field(default_factory=list)  # pixel values of the context's images, in order (VLMs only)
     future: asyncio.Future | None = None
     ids: list[int] = field(default_factory=list)
@@ -68,8 +68,7 @@ class Sampler:
         self.wake.set()
 
     async def generate(self, context, max_tokens, *, images=(), greedy=False, seed=0, top=0) -> Request:
-        generator = torch.Generator(self.device).manual_seed(seed)  # noise drawn where the logits are
-        req = Request(list(context), max_tokens, greedy, generator, list(images), top=top)
+        req = Request(list(context), max_tokens, greedy, seed, list(images), top=top)
         req.future = asyncio.get_running_loop().create_future()
         self.pending.append(req)
         self.wake.set()
@@ -155,21 +154,24 @@ class Sampler:
         return torch.stack([r.selected.view(rows, -1, r.top_k)[:, -1] for r in self.routers], 1).tolist()
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor, routes: list | None):
-        """Gumbel-max over the whole batch at once: argmax(logp + Gumbel noise) is a sample of softmax(logp), and
-        each request's noise comes from its own generator, so a sample never depends on the rest of the batch, nor on
-        which requests share its cache row (`logits` and `routes` are per row). Noise is drawn per decode step for
-        the requests sampling in it, so memory holds [requests, vocab] at most, whatever max_tokens is."""
-        logp = torch.log_softmax(without_placeholder(logits.float() / self.temperature, self.model.config), dim=-1)
-        entropy = torch.special.entr(logp.exp()).sum(-1)
+        """Inverse-CDF sampling over the whole batch at once: a request's k-th token is where its k-th uniform number
+        falls in the cumulative probabilities. That number is a hash (splitmix64) of the request's seed and k, so a
+        sample never depends on the rest of the batch, on which requests share its cache row, nor on the device; and
+        it is one op for all requests, where a noise generator per request cost a call each (most of the sampling's
+        time at a small vocabulary). `logits` and `routes` are per row."""
         rows = torch.tensor([req.row for req in reqs], device=self.device)
-        logp, entropy = logp[rows], entropy[rows]
-        gumbel = torch.zeros_like(logp)  # greedy requests take the argmax of logp itself
-        sampling = [i for i, req in enumerate(reqs) if not req.greedy]
-        if sampling:  # each row on its request's generator (on the logits' device), then one transform for all
-            uniform = torch.stack([torch.rand(logp.shape[-1], generator=reqs[i].generator, device=logp.device)
-                                   for i in sampling])
-            gumbel[sampling] = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0)))
-        tokens = (logp + gumbel).argmax(-1)
+        logp = torch.log_softmax(without_placeholder(logits[rows].float() / self.temperature, self.model.config), -1)
+        entropy = torch.special.entr(logp.exp()).sum(-1)
+        # splitmix64 of (seed, tokens sampled so far): int64 products wrap as uint64 ones do; a mask makes >> logical
+        x = torch.tensor([(r.seed * 0x9E3779B97F4A7C15 + len(r.ids)) % 2**64 - 2**63 for r in reqs], device=self.device)
+        for shift, factor in ((30, 0xBF58476D1CE4E5B9 - 2**64), (27, 0x94D049BB133111EB - 2**64), (31, 1)):
+            x = (x ^ ((x >> shift) & ((1 << 64 - shift) - 1))) * factor
+        u = ((x >> 11) & (2**53 - 1)).double() * 2.0**-53  # its top 53 bits: uniform in [0, 1)
+        cdf = logp.exp().double().cumsum(-1)
+        total = cdf[:, -1]  # the point stays under it: rounded up to it, it would pass the last token of nonzero prob
+        point = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+        sampled = torch.searchsorted(cdf, point[:, None], right=True)[:, 0]  # first token whose cdf passes the point
+        tokens = torch.where(torch.tensor([req.greedy for req in reqs], device=self.device), logp.argmax(-1), sampled)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
         for i, (req, token, lp, h) in enumerate(zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist())):
             req.ids.append(token)

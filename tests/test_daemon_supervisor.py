@@ -153,7 +153,8 @@ def test_crash_and_sigkill_restart_from_the_latest_checkpoint_with_no_lost_or_du
     assert_each_step_once(api, run, 30)
     assert [v["version"] for v in api.policy_versions(run)] == list(range(1, 31))
     assert api.checkpoints(run)[-1]["step"] == 30
-    assert [a["kind"] for a in api.alerts(run)] == ["worker", "worker"]
+    # one per unplanned end; whether the tiny policy's rewards ever all tie (no_signal) depends on what it samples
+    assert [a["kind"] for a in api.alerts(run) if a["kind"] != "no_signal"] == ["worker", "worker"]
     for a in attempts:
         assert f"attempt {a['number']}" in Path(a["log_path"]).read_text()
     for earlier, later in zip(attempts, attempts[1:]):

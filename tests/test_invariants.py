@@ -359,11 +359,11 @@ def test_weight_swap_mid_generation_tags_versions():
     # Never-ending requests (eos cannot stop them before max_tokens because we check the tags, not the text). Four
     # share their context, so the join's prefill runs it once for all; two of those are greedy, generate the same
     # tokens and so share one cache row all the way.
-    reqs = [Request(context, 8, False, torch.Generator().manual_seed(0)),
-            Request(other, 8, False, torch.Generator().manual_seed(1)),
-            Request(context, 8, False, torch.Generator().manual_seed(2)),
-            Request(context, 8, True, torch.Generator().manual_seed(3)),
-            Request(context, 8, True, torch.Generator().manual_seed(4))]
+    reqs = [Request(context, 8, False, 0),
+            Request(other, 8, False, 1),
+            Request(context, 8, False, 2),
+            Request(context, 8, True, 3),
+            Request(context, 8, True, 4)]
     rows = []
     sampler.model.model.register_forward_pre_hook(lambda m, args, kw: rows.append(kw["input_ids"].shape), with_kwargs=True)
     run_with_swap_after_3_steps(sampler, reqs, new)
@@ -396,7 +396,7 @@ def test_weight_swap_mid_generation_reprefills_with_images():
     for i, (colour, shape, question) in enumerate([("red", "circle", "color"), ("blue", "triangle", "count?\nsay")]):
         out = processor(text=f"<image>{question}?\n", images=[Shapes.render(colour, shape, [(2, 2), (18, 18)])],
                         add_special_tokens=False, return_tensors="pt")
-        reqs.append(Request(out["input_ids"][0].tolist(), 8, False, torch.Generator().manual_seed(i),
+        reqs.append(Request(out["input_ids"][0].tolist(), 8, False, i,
                             list(out["pixel_values"])))
     run_with_swap_after_3_steps(sampler, reqs, new)
     episodes = []
@@ -430,7 +430,7 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_its_logprobs_stay_exact():
                                                   with_kwargs=True)
 
     def turn(*contexts):  # one reply to each context, to its end; `rows` keeps this turn's forwards
-        reqs = [Request(c, 4, False, torch.Generator().manual_seed(len(c))) for c in contexts]
+        reqs = [Request(c, 4, False, len(c)) for c in contexts]
         sampler.pending += reqs
         rows.clear()
         while sampler.pending or sampler.active:
@@ -460,7 +460,7 @@ def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
     sampler = Sampler(model, [], tok.pad_token_id, temperature=1.0)  # no stop ids: each runs to its max_tokens
     sampler.kv_tokens = len(context) + 40  # room for one request at a time
     loop = asyncio.new_event_loop()
-    reqs = [Request(context, 40, False, torch.Generator().manual_seed(i)) for i in range(3)]
+    reqs = [Request(context, 40, False, i) for i in range(3)]
     for req in reqs:
         req.future = loop.create_future()
     sampler.pending += reqs
@@ -478,7 +478,7 @@ def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
     loop.close()
 
 
-def test_sampling_noise_comes_from_a_generator_on_the_models_device_and_follows_the_seed():
+def test_a_requests_samples_follow_its_seed_not_its_batch():
     tok = char_tokenizer()
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
     context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
@@ -488,10 +488,29 @@ def test_sampling_noise_comes_from_a_generator_on_the_models_device_and_follows_
         task = asyncio.create_task(sampler.run())
         reqs = await asyncio.gather(*(sampler.generate(context, 12, seed=s) for s in seeds))
         task.cancel()
-        assert all(r.generator.device == sampler.device == next(model.parameters()).device for r in reqs)
         return [r.ids for r in reqs]
-    first, second = asyncio.run(sample([5, 6])), asyncio.run(sample([6, 5]))
+    first, second, alone = asyncio.run(sample([5, 6])), asyncio.run(sample([6, 5])), asyncio.run(sample([6]))
     assert first == second[::-1] and first[0] != first[1]  # a request's tokens follow its seed, not its batch
+    assert alone == first[1:]
+
+
+def test_sampled_tokens_follow_the_softmax_and_never_take_a_token_of_probability_0():
+    """The sampler's inverse CDF over each request's hashed uniform numbers: 200 requests x 100 tokens from fixed
+    probabilities (the last token, 0, is where a rounding error would land), one logits row for all of them."""
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    sampler = Sampler(model, [], 0, temperature=1.0)
+    probs = torch.zeros(model.config.vocab_size)
+    probs[[3, 5, 8]] = torch.tensor([0.5, 0.3, 0.2])
+    reqs = [Request([1], 100, False, seed) for seed in range(200)]
+    for req in reqs:
+        req.row = 0
+    for _ in range(100):
+        sampler._sample(reqs, probs.log()[None], None)
+    tokens = torch.tensor([r.ids for r in reqs]).flatten()
+    counts = torch.bincount(tokens, minlength=len(probs)) / len(tokens)
+    assert set(tokens.tolist()) == {3, 5, 8}
+    assert torch.allclose(counts[[3, 5, 8]], torch.tensor([0.5, 0.3, 0.2]), atol=0.01), counts[[3, 5, 8]]
+    assert all(r.logprobs[0] == pytest.approx(float(probs[r.ids[0]].log())) for r in reqs)
 
 
 class Verbose(Env):

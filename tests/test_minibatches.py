@@ -121,7 +121,7 @@ def test_minibatched_run_clips_and_publishes_one_version_per_step():
         def checkpoint(self, step, path, **info): pass
 
     summary = train({"env": "max_digit", "loop": {"steps": 6, "groups_per_step": 4, "group_size": 4, "eval_every": 0},
-                     "algo": {"minibatches": 4, "lr": 3e-3}, "warm_start": {"steps": 10}}, Sink())
+                     "algo": {"minibatches": 4, "lr": 3e-3}, "warm_start": {"steps": 30}}, Sink())  # rewards > 0
     assert summary["status"] == "completed"
     assert [steps[s]["version"] for s in range(6)] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     assert max(v["clip_ratio"] for v in steps.values()) > 0

@@ -157,7 +157,7 @@ def test_checkpoint_loads_with_plain_transformers_and_generates(tmp_path):
 def greedy_with_our_sampler(model, tokenizer, context, images=()) -> list[int]:
     """What the engine's own sampler generates greedily (3 tokens at most) from a policy."""
     sampler = Sampler(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, temperature=1.0)
-    req = Request(context, 3, True, torch.Generator(), list(images))
+    req = Request(context, 3, True, 0, list(images))
     sampler.pending.append(req)
     while sampler.pending or sampler.active:
         sampler.step()
