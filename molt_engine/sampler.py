@@ -161,15 +161,16 @@ class Sampler:
         time at a small vocabulary). `logits` and `routes` are per row."""
         rows = torch.tensor([req.row for req in reqs], device=self.device)
         logp = torch.log_softmax(without_placeholder(logits[rows].float() / self.temperature, self.model.config), -1)
-        entropy = torch.special.entr(logp.exp()).sum(-1)
+        probs = logp.exp()
+        entropy = torch.special.entr(probs).sum(-1)
         # splitmix64 of (seed, tokens sampled so far): int64 products wrap as uint64 ones do; a mask makes >> logical
         x = torch.tensor([(r.seed * 0x9E3779B97F4A7C15 + len(r.ids)) % 2**64 - 2**63 for r in reqs], device=self.device)
         for shift, factor in ((30, 0xBF58476D1CE4E5B9 - 2**64), (27, 0x94D049BB133111EB - 2**64), (31, 1)):
-            x = (x ^ ((x >> shift) & ((1 << 64 - shift) - 1))) * factor
+            x = (x ^ ((x >> shift) & ((1 << 64 - shift) - 1))) * factor  # the last round has no multiply: 1
         u = ((x >> 11) & (2**53 - 1)).double() * 2.0**-53  # its top 53 bits: uniform in [0, 1)
-        cdf = logp.exp().double().cumsum(-1)
-        total = cdf[:, -1]  # the point stays under it: rounded up to it, it would pass the last token of nonzero prob
-        point = torch.minimum(u * total, total.nextafter(torch.zeros_like(total)))
+        cdf = probs.double().cumsum(-1)
+        # the point stays under the total: rounded up to it, it would pass the last token of nonzero probability
+        point = torch.minimum(u * cdf[:, -1], cdf[:, -1].nextafter(torch.zeros_like(u)))
         sampled = torch.searchsorted(cdf, point[:, None], right=True)[:, 0]  # first token whose cdf passes the point
         tokens = torch.where(torch.tensor([req.greedy for req in reqs], device=self.device), logp.argmax(-1), sampled)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
