@@ -206,8 +206,10 @@ def shutdown(records, keeper, args):
     if args.keep_daemon:
         print(f"molt serve: the daemon keeps running; `molt daemon stop --home {records.home}` stops it", flush=True)
     else:
-        stop_daemon(records, args.stop_grace, say=lambda text: print(f"molt serve: {text}", flush=True))
+        stopped = stop_daemon(records, args.stop_grace, say=lambda text: print(f"molt serve: {text}", flush=True))
         if keeper.proc is not None:
+            if not stopped:  # our child has not taken the lock yet (still starting), so it has no runs to stop
+                keeper.proc.terminate()
             keeper.proc.wait(15)  # our child: reaped here, or it would linger as a zombie
     print("molt serve: stopped", flush=True)
 

@@ -293,6 +293,27 @@ def test_serve_adopts_a_running_daemon_and_stops_it_on_ctrl_c(tmp_path):
             daemon.wait()
 
 
+def test_ctrl_c_while_the_daemon_is_still_starting_stops_it_too(tmp_path):
+    # an env file that holds the daemon (only) in its start, before it takes the lock, until the gate file exists
+    envs, gate = tmp_path / "envs", tmp_path / "gate"
+    envs.mkdir()
+    (envs / "slow_daemon.py").write_text(
+        "import sys, time\nfrom pathlib import Path\n"
+        f"while sys.argv[0].endswith('__main__.py') and not Path({str(gate)!r}).exists():\n    time.sleep(0.05)\n")
+    with serve(tmp_path / "home", "--envs", str(envs)) as served:
+        assert wait_until(lambda: "daemon started (pid" in served.output, 30), served.output
+        pid = int(served.output.split("daemon started (pid ")[1].split(")")[0])
+        try:
+            assert not Records(tmp_path / "home").daemon_status()["running"], "the daemon is still starting"
+            assert served.interrupt() == 0, served.output
+            assert gone(pid), "the starting daemon was stopped with `molt serve`"
+            assert "molt serve: stopped" in served.output
+        finally:
+            gate.touch()
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_health_and_metrics_without_a_daemon_and_the_metrics_token(tmp_path):
     # records as workers leave them: a running run with metrics and a breaker trip, attempts that ended uncleanly
     records = Records(tmp_path)
