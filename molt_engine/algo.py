@@ -103,8 +103,7 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.T
         log_s = diff.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
         ratio = (diff - diff.detach() + log_s.detach()).exp()
     adv = advantages[:, None].to(ratio.dtype)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     total = masked_mean(-w * torch.minimum(unclipped, clipped), mask)
 
     kl = kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else torch.zeros_like(diff)

@@ -19,8 +19,7 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None, w
     moment leaves either the previous complete checkpoint or this one, never a half-written directory under a
     checkpoint's name. `drills`: the run's, for drills.full_disk_at."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     # A copy of the dict: save_pretrained empties the one it is given, and `weights` is still the sampler's.
     if lora:

@@ -111,8 +111,7 @@ def where(e: BaseException, file: str) -> str:
 def load_agents_dir(path) -> list[str]:
     """Import every *.py file of a local directory; return the env names they registered. A file that fails does
     not stop the others: they all load first, then one EnvLoadError names each failed file and line."""
-    before = set(ENVS)
-    errors = {}
+    before, errors = set(ENVS), {}
     for file in sorted(Path(path).resolve().glob("*.py")):
         module_name = f"molt_agents.{file.stem}"
         # A daemon may load the same directory for every run; re-running it would re-register.

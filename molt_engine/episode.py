@@ -25,11 +25,11 @@ class Episode:
 
     def extend(self, ids, *, action=False, logprobs=None, versions=None, experts=None, entropies=None):
         """Tokens that are not sampled here: prompt, env feedback, a forced tool-call opening (never trained), or a
-        demonstration's reply (`action`: the warm start's targets)."""
+        demonstration's reply (`action`: the warm start's targets, log-prob 0 and version 0 unless given)."""
         self.token_ids += ids
         self.is_action += [action] * len(ids)
-        self.logprobs += logprobs if action else [0.0] * len(ids)
-        self.versions += versions if action else [-1] * len(ids)
+        self.logprobs += logprobs or [0.0] * len(ids)
+        self.versions += versions or [0 if action else -1] * len(ids)  # a demonstration's: version 0
         self.experts += experts if action and experts else [[]] * len(ids)
         self.entropies += entropies if action and entropies else [0.0] * len(ids)
 
@@ -65,8 +65,7 @@ def collate(episodes: list[Episode], pad_id: int) -> dict:
     padding never shifts positions. Images are stacked row-major, the order in which a VLM meets their placeholder
     tokens in the batch."""
     prompts = [e.is_action.index(True) if any(e.is_action) else len(e.token_ids) for e in episodes]
-    before = max(prompts)
-    after = max(len(e.token_ids) - p for e, p in zip(episodes, prompts))
+    before, after = max(prompts), max(len(e.token_ids) - p for e, p in zip(episodes, prompts))
 
     def rows(values, fill):
         return torch.tensor([[fill] * (before - p) + v + [fill] * (after - len(v) + p) for v, p in zip(values, prompts)])

@@ -195,8 +195,7 @@ def routing_stats(layers: list, attention_mask, recorded, predicts_action) -> tu
     """After a training forward of an MoE policy whose routers are `layers`: the load-balancing aux loss and the
     routing metrics. `recorded` [B, T, L, k] holds the sampler's expert ids per input position (-1 where none),
     `predicts_action` [B, T] marks the positions whose logits give an action token."""
-    real = attention_mask.reshape(-1).bool()
-    n_experts = layers[0].num_experts
+    real, n_experts = attention_mask.reshape(-1).bool(), layers[0].num_experts
     aux, metrics, entropies = 0.0, {}, []
     for l, router in enumerate(layers):
         # Switch-Transformer balance loss: n_experts * sum_e (share of top-k slots on e) * (mean router prob of e)

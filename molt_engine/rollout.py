@@ -169,8 +169,7 @@ class Rollout:
                 if message["role"] == "assistant":
                     ep.extend(self.template.after_reply(said, history[len(said):], True)[0] if said
                               else self.template.ids(history, generation=True))
-                    ids = self.template.reply(history, message)
-                    ep.extend(ids, action=True, logprobs=[0.0] * len(ids), versions=[0] * len(ids))
+                    ep.extend(self.template.reply(history, message), action=True)
                     said = history + [message]
                 history.append(message)
             return ep
@@ -181,14 +180,13 @@ class Rollout:
             async def act(turn, history):
                 message = next(replies, None)
                 ids = self.template.reply(history, message) if message else None
-                ep.extend(ids or [], action=True, logprobs=[0.0] * len(ids or []), versions=[0] * len(ids or []))
+                ep.extend(ids or [], action=True)
                 return ids
             await self.chat_turns(env, obs, ep, act)
             return ep
         self.observe(ep, obs.text, obs.images)
         for action in env.demonstration(seed):
-            ids = self.encode(action) + [self.eos_id]
-            ep.extend(ids, action=True, logprobs=[0.0] * len(ids), versions=[0] * len(ids))
+            ep.extend(self.encode(action) + [self.eos_id], action=True)
             result = await env.step(action)
             if result.terminated or result.truncated:
                 break
@@ -200,8 +198,7 @@ class Rollout:
         Stops early when `stopping()` says so (before RL began: nothing worth a checkpoint yet). Returns the last
         loss."""
         ws = self.cfg.warm_start
-        optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr)
-        loss = math.nan
+        optimizer, loss = torch.optim.AdamW(model.parameters(), lr=ws.lr), math.nan
         for step in range(ws.steps):
             if stopping():
                 break

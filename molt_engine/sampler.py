@@ -5,10 +5,27 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from .episode import without_placeholder
 from .models import routers
+
+
+class RoomyLayer(DynamicLayer):
+    """A cache layer with room to grow: `keys`/`values` are the front of buffers with 32 positions to spare, so a
+    decode step writes its token in place where DynamicLayer's cat copied every row's whole cache, in every layer,
+    at every step. Keys/values assigned from outside (rows regrouped or joined) get new room at the next update."""
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        n, end = (self.keys.shape[-2] if self.is_initialized else 0), keys.shape[-2]
+        if n and self.room[0].data_ptr() == self.keys.data_ptr() and self.room[0].shape[-2] >= n + end:
+            self.room[0][:, :, n:n + end], self.room[1][:, :, n:n + end] = keys, values
+        else:  # new room: what the layer holds, then the new positions, then the spare ones
+            self.room = [torch.cat([*([old] if n else []), new, new.new_empty(*new.shape[:-2], 32, new.shape[-1])], -2)
+                         for old, new in ((self.keys, keys), (self.values, values))]
+        self.keys, self.values = (x[:, :, :n + end] for x in self.room)
+        self.is_initialized, self.device = True, keys.device
+        return self.keys, self.values
 
 
 @dataclass
@@ -37,8 +54,7 @@ class Request:
 class Sampler:
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
                  kv_budget_gb: float | None = None, executor=None):
-        self.model = model.eval()
-        self.device = next(model.parameters()).device
+        self.model, self.device = model.eval(), next(model.parameters()).device
         self.routers = routers(model)
         text = model.config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -50,7 +66,7 @@ class Sampler:
         self.pad_id, self.temperature, self.version = pad_id, temperature, version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
         self.active: list[Request] = []    # in generation, each on a row of the cache
-        self.cache = None                  # DynamicCache, one row per distinct sequence of the active requests, left-padded
+        self.cache = None                  # Cache of RoomyLayers, one row per distinct sequence of the active requests, left-padded
         self.mask = None                   # [rows, T] attention mask of the cache
         self.last = None                   # [rows] each row's last sampled token: the next decode step's input
         self.new_weights = None            # (state_dict, version) published by the trainer
@@ -77,13 +93,12 @@ class Sampler:
     async def run(self):
         """The sampler coroutine: heavy work goes to a thread so envs and the trainer keep running."""
         while True:
+            t0 = time.perf_counter()
             if not (self.pending or self.active):
-                t0 = time.perf_counter()
                 self.wake.clear()
                 await self.wake.wait()
                 self.stats["idle_s"] += time.perf_counter() - t0
                 continue
-            t0 = time.perf_counter()
             finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.step)
             self.stats["busy_s"] += time.perf_counter() - t0
             for req in finished:
@@ -104,8 +119,7 @@ class Sampler:
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
                 # exactly that of the version it is tagged with (what the trainer's recomputation will check).
-                owner = {r.row: r for r in self.active}  # any request of a row: they share all its tokens
-                owners = [owner[i] for i in range(len(self.mask))]
+                owners = [r for _, r in sorted({r.row: r for r in self.active}.items())]  # one request per row
                 self.cache, mask, _, _, row = self._prefill(owners, [r.context + r.ids[:-1] for r in owners])
                 self.cache.batch_select_indices(row)
                 self.mask = mask[row]
@@ -204,7 +218,8 @@ class Sampler:
         width = max(len(s) for s in new)
         ids = torch.tensor([[self.pad_id] * (width - len(s)) + s for s in new], device=self.device)
         mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in new], device=self.device)
-        cache, kept = DynamicCache(), max((len(parked[i][1]) for i in owners if parked[i]), default=0)
+        kept = max((len(parked[i][1]) for i in owners if parked[i]), default=0)
+        cache = Cache(layer_class_to_replicate=RoomyLayer)
         if kept:  # the parked rows first, left-padded to the longest; a row without one has only padding there
             some = next(parked[i] for i in owners if parked[i])
             rows = [parked[i] or (0, some[1][:0], some[2][:, :, :0]) for i in owners]
@@ -260,6 +275,5 @@ class Sampler:
             return  # nothing diverged, finished or emptied: the cache stays as it is
         index = torch.tensor(parent, device=self.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
+            layer.keys, layer.values = layer.keys[index, :, start:], layer.values[index, :, start:]
         self.mask = mask[:, start:]

@@ -451,6 +451,29 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_its_logprobs_stay_exact():
         assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
+def test_decode_steps_write_into_the_caches_room_and_their_logprobs_stay_exact():
+    """A decode step writes its token's keys/values into the room its cache layer keeps (RoomyLayer), where
+    DynamicLayer copied the whole cache at every step: 39 decode steps of one request use two buffers per layer (the
+    prefill's, with 32 positions to spare, then one more), and the recorded log-probs are those of one full forward."""
+    tok = char_tokenizer()
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    sampler = Sampler(copy.deepcopy(model), [], tok.pad_token_id, temperature=1.0)  # no stop ids: all 40 tokens
+    req = Request(tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"], 40, False, 7)
+    sampler.pending.append(req)
+    rooms = []  # every buffer seen, kept alive so that none is mistaken for another
+    while sampler.pending or sampler.active:
+        sampler.step()
+        for layer in sampler.cache.layers if sampler.cache else []:
+            assert layer.keys.data_ptr() == layer.room[0].data_ptr(), "the keys are the front of the layer's room"
+            rooms += [] if any(layer.room[0] is r for r in rooms) else [layer.room[0]]
+    assert len(req.ids) == 40 and len(rooms) == 2 * model.config.num_hidden_layers
+    ids = torch.tensor([req.context + req.ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
+    assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
+
+
 def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
     """A request whose caller gave up (an agent's timeout, the run's end) is decoded no further from the next step
     on, and the KV budget it held goes to the next request at once; one cancelled while it waits is never decoded."""
