@@ -24,8 +24,8 @@ class RoomyLayer(DynamicLayer):
         else:  # new room: what the layer holds, then the new positions, then the spare ones
             self.room = [torch.cat([*([old] if n else []), new, new.new_empty(*new.shape[:-2], 32, new.shape[-1])], -2)
                          for old, new in ((self.keys, keys), (self.values, values))]
+            self.is_initialized, self.device = True, keys.device
         self.keys, self.values = (x[:, :, :n + end] for x in self.room)
-        self.is_initialized, self.device = True, keys.device
         return self.keys, self.values
 
 
@@ -67,7 +67,7 @@ class Sampler:
         self.pad_id, self.temperature, self.version = pad_id, temperature, version
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
         self.active: list[Request] = []    # in generation, each on a row of the cache
-        self.cache = None                  # Cache of RoomyLayers, one row per distinct sequence of the active requests, left-padded
+        self.cache = None                  # RoomyLayers, one row per distinct sequence of the active requests, left-padded
         self.mask = None                   # [rows, T] attention mask of the cache
         self.last = None                   # [rows] each row's last sampled token: the next decode step's input
         self.new_weights = None            # (state_dict, version) published by the trainer
