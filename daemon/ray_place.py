@@ -29,13 +29,14 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
     """Reserve `dist.nnodes` bundles of `dist.nproc` CPUs (or GPUs), one per node (STRICT_SPREAD), start one task per
     bundle that runs that node's ranks, and watch them as launch() watches local ranks: the first node to fail ends
     the attempt (the others are cancelled) and its cause names the node, rank and signal; a SIGTERM (the daemon's
-    stop) is passed on to every node, so rank 0 checkpoints. With a dashboard listening on the data directory, rank 0
+    stop) is passed on to every node through a stop file in the run directory, so rank 0 checkpoints. With a dashboard listening on the data directory, rank 0
     reports to it over HTTP (HttpSink), so the nodes never open the database. The placement group and the Ray job end
     with this attempt, however it ends. Returns the attempt's failure, or None."""
     dist = config.get("dist", {})
     nnodes, nproc = dist.get("nnodes", 1), dist.get("nproc", 1)
     marker = directory / f"attempt-{args.attempt}.placed"  # a node that cannot see it cannot see the checkpoints
     attempt_file = directory / f"attempt-{args.attempt}.json"
+    stop_file = directory / f"attempt-{args.attempt}.stop"
     marker.write_text(str(os.getpid()))
     stop, pg = threading.Event(), None
     try:
@@ -81,7 +82,7 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
                    "--home", str(home), f"--nnodes={nnodes}",
                    f"--rdzv-endpoint={nodes[0][0]}:{nodes[0][2]}", f"--attempt-file={attempt_file}"]
         tasks = {node.options(num_cpus=0 if gpus else nproc, num_gpus=gpus, max_retries=0,
-                              scheduling_strategy=on[i]).remote(command + [f"--node-rank={i}"]): i
+                              scheduling_strategy=on[i]).remote(command + [f"--node-rank={i}"], str(stop_file)): i
                  for i in range(nnodes)}
 
         def failure(ref):
@@ -91,12 +92,10 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
                 values = {"outcome": "error", "cause": f"{type(e).__name__}: {e}"[:1000]}
             return values and (tasks[ref], nodes[tasks[ref]][0], values)
 
-        pending, failures, cancelled = list(tasks), [], False
+        pending, failures = list(tasks), []
         while pending and not failures:
-            if stop.is_set() and not cancelled:  # each task passes the SIGTERM on to its node's launcher
-                for ref in pending:
-                    ray.cancel(ref, force=False)
-                cancelled = True
+            if stop.is_set():  # each task passes the SIGTERM on to its node's launcher
+                stop_file.touch()
             done, pending = ray.wait(pending, timeout=0.5)
             failures = [] if stop.is_set() else [f for ref in done if (f := failure(ref))]  # rank 0 recorded the stop
         if failures and pending:  # the others get a moment to fail as well (on the lost peer) and say why
@@ -119,6 +118,7 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
         ray.shutdown()
         marker.unlink(missing_ok=True)
         attempt_file.unlink(missing_ok=True)
+        stop_file.unlink(missing_ok=True)
 
 
 @ray.remote
@@ -130,21 +130,26 @@ def probe(marker: str) -> tuple[str, bool, int]:
         return ray.util.get_node_ip_address(), Path(marker).exists(), s.getsockname()[1]
 
 
-@ray.remote
-def node(command: list[str]) -> dict | None:
-    """This node's ranks: `python -m daemon.worker ... --node-rank I`, which runs torchrun. Ray's non-forced cancel
-    (the attempt's stop) arrives as KeyboardInterrupt: passed on as SIGTERM, as the daemon stops a local run."""
+def run_node(command: list[str], stop_file: str) -> dict | None:
+    """This node's ranks: `python -m daemon.worker ... --node-rank I`, which runs torchrun. The attempt's stop (the
+    stop file appears) is passed on as SIGTERM, as the daemon stops a local run. Not through Ray's non-forced cancel:
+    its KeyboardInterrupt can be lost (ray-project/ray#32954), and a launcher that never hears the stop while its own
+    ranks already stopped (at the dashboard's word) waits in torchrun's exit barrier for 300 s, and the attempt,
+    its placement group included, with it."""
     cause_file = Path(tempfile.mkdtemp()) / "cause.json"
     proc = subprocess.Popen(command + [f"--cause-file={cause_file}"], stdin=subprocess.DEVNULL)
-    try:
-        while proc.poll() is None:
-            time.sleep(0.2)  # not proc.wait(): a cancel interrupts Python code only, never a waiting system call
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait()
+    stopping = False
+    while proc.poll() is None:
+        if not stopping and os.path.exists(stop_file):
+            proc.send_signal(signal.SIGTERM)
+            stopping = True
+        time.sleep(0.2)
     if proc.returncode == 0:
         return None
     if cause_file.exists():
         return json.loads(cause_file.read_text())
     code = proc.returncode
     return {"outcome": "error", "cause": f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"}
+
+
+node = ray.remote(run_node)

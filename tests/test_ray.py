@@ -4,6 +4,8 @@ import contextlib
 import json
 import os
 import signal
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -63,6 +65,22 @@ def test_the_run_page_links_the_ray_dashboard_of_its_newest_placement(web):
         add_event(s, run, "ray", "attempt 1 placed on Ray", attempt=1, dashboard="http://10.0.0.5:8265")
         s.commit()
     assert '<a id="ov-ray" href="http://10.0.0.5:8265">Ray dashboard</a>' in browser.get(f"/runs/{run}").text
+
+
+def test_a_nodes_task_passes_the_stop_file_on_as_sigterm_and_returns_why_its_launcher_ended(tmp_path):
+    """The node's side of a Ray attempt's stop, without Ray: the launcher runs until the attempt's stop file
+    appears, then gets SIGTERM (here it exits 3 on it, and says so); a launcher that ends by itself with 0 is None."""
+    from daemon.ray_place import run_node
+    stop_file, started = tmp_path / "attempt-1.stop", tmp_path / "started"
+    launcher = [sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(3));"
+                f" open({str(started)!r}, 'w').close(); time.sleep(120)"]
+    with ThreadPoolExecutor(1) as pool:
+        ended = pool.submit(run_node, launcher, str(stop_file))
+        wait_until(started.exists, 30, message="the launcher started")
+        assert not ended.done()
+        stop_file.touch()
+        assert ended.result(timeout=30) == {"outcome": "error", "cause": "exit code 3"}
+    assert run_node([sys.executable, "-c", "pass"], str(tmp_path / "never.stop")) is None
 
 
 @pytest.fixture(scope="module")
