@@ -29,9 +29,10 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
     """Reserve `dist.nnodes` bundles of `dist.nproc` CPUs (or GPUs), one per node (STRICT_SPREAD), start one task per
     bundle that runs that node's ranks, and watch them as launch() watches local ranks: the first node to fail ends
     the attempt (the others are cancelled) and its cause names the node, rank and signal; a SIGTERM (the daemon's
-    stop) is passed on to every node through a stop file in the run directory, so rank 0 checkpoints. With a dashboard listening on the data directory, rank 0
-    reports to it over HTTP (HttpSink), so the nodes never open the database. The placement group and the Ray job end
-    with this attempt, however it ends. Returns the attempt's failure, or None."""
+    stop) is passed on to every node through a stop file in the run directory, so rank 0 checkpoints. With a
+    dashboard listening on the data directory, rank 0 reports to it over HTTP (HttpSink), so the nodes never open the
+    database. The placement group and the Ray job end with this attempt, however it ends. Returns the attempt's
+    failure, or None."""
     dist = config.get("dist", {})
     nnodes, nproc = dist.get("nnodes", 1), dist.get("nproc", 1)
     marker = directory / f"attempt-{args.attempt}.placed"  # a node that cannot see it cannot see the checkpoints
