@@ -128,8 +128,7 @@ def token_logprobs(model, batch, temperature: float):
     parts, order = [], []
     for chunk in _length_chunks(lengths := mask[:, split:].sum(1).tolist()):  # each row's columns from the split
         r = torch.tensor(chunk, device=ids.device)
-        width = split + max(lengths[i] for i in chunk)
-        cache = None
+        width, cache = split + max(lengths[i] for i in chunk), None
         if split:
             prefix, prefix_row = _distinct(torch.cat([ids[r, :split], mask[r, :split]], 1))
             cache = model(input_ids=ids[r][prefix, :split], attention_mask=mask[r][prefix, :split],

@@ -55,8 +55,7 @@ class Request:
 class Sampler:
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
                  kv_budget_gb: float | None = None, executor=None):
-        self.model, self.device = model.eval(), next(model.parameters()).device
-        self.routers = routers(model)
+        self.model, self.device, self.routers = model.eval(), next(model.parameters()).device, routers(model)
         text = model.config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -207,8 +206,7 @@ class Sampler:
         shared prompt, the same tool call made by several of its episodes) run once. The requests' images go in
         row-major order, the order of their placeholder tokens; decode steps need none. `parked[i]`: (n, mask row,
         keys/values) of seqs[i]'s first n tokens, from the episode's previous turn; only the rest runs, after them."""
-        parked = parked or [None] * len(reqs)
-        images = [image for r in reqs for image in r.images]
+        parked, images = parked or [None] * len(reqs), [image for r in reqs for image in r.images]
         # A row per distinct key (the sequence and its parked length; with images, every sequence is its own), in
         # first-seen order, running the sequence of the first request with that key
         keys = [(tuple(s), i if images else 0, p[0] if p else 0) for i, (s, p) in enumerate(zip(seqs, parked))]
@@ -250,10 +248,12 @@ class Sampler:
         for req in reqs:
             req.row += len(self.mask)
         # Left-pad the shorter of the two caches so both have the same length, then stack the rows.
-        total = max(old_len := self.mask.shape[1], new_len := mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers):
-            old.keys = torch.cat([F.pad(old.keys, (0, 0, total - old_len, 0)), F.pad(new.keys, (0, 0, total - new_len, 0))])
-            old.values = torch.cat([F.pad(old.values, (0, 0, total - old_len, 0)), F.pad(new.values, (0, 0, total - new_len, 0))])
+        total, n = max(old_len := self.mask.shape[1], new_len := mask.shape[1]), len(self.mask)
+        for old, new in zip(self.cache.layers, cache.layers):  # into new room, as _regroup does
+            old.room = [x.new_zeros(n + len(mask), x.shape[1], total + 32, x.shape[3]) for x in (old.keys, old.values)]
+            for room, a, b in zip(old.room, (old.keys, old.values), (new.keys, new.values)):
+                room[:n, :, total - old_len:total], room[n:, :, total - new_len:total] = a, b
+            old.keys, old.values = (room[:, :, :total] for room in old.room)
         self.mask = torch.cat([F.pad(self.mask, (total - old_len, 0)), F.pad(mask, (total - new_len, 0))])
         self.active = self.active + reqs
 
@@ -267,14 +267,16 @@ class Sampler:
         rows = {}  # (old row, token) -> new row
         for req in keep:
             req.row = rows.setdefault((req.row, req.ids[-1]), len(rows))
-        self.active = keep
-        self.last = torch.tensor([token for _, token in rows], device=self.device)
+        self.active, self.last = keep, torch.tensor([token for _, token in rows], device=self.device)
         parent = [row for row, _ in rows]
         mask = self.mask[parent]
         start = int((mask.sum(0) > 0).nonzero()[0])
         if parent == list(range(len(self.mask))) and start == 0:
             return  # nothing diverged, finished or emptied: the cache stays as it is
-        index = torch.tensor(parent, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, start:], layer.values[index, :, start:]
+        index, width = torch.tensor(parent, device=self.device), mask.shape[1] - start
+        for layer in self.cache.layers:  # straight into new room, where the next decode step writes (RoomyLayer)
+            layer.room = [x.new_empty(len(parent), x.shape[1], width + 32, x.shape[3])
+                          for x in (layer.keys, layer.values)]
+            layer.keys, layer.values = [torch.index_select(x[:, :, start:], 0, index, out=room[:, :, :width])
+                                        for x, room in zip((layer.keys, layer.values), layer.room)]
         self.mask = mask[:, start:]

@@ -155,8 +155,7 @@ class _Minibatch:
         self.batches = [to_device(collate([episodes[i] for i in k], pad_id), device) for k in self.keeps]
         self.advs = [adv[k].to(device) for k in self.keeps]
         self.action_tokens = sum(episodes[i].n_actions for i in span)
-        self.kept_tokens = sum(int(b["action_mask"].sum()) for b in self.batches)
-        self.trained = len(keep)
+        self.kept_tokens, self.trained = sum(int(b["action_mask"].sum()) for b in self.batches), len(keep)
         self.prox: list[torch.Tensor | None] = [None] * len(self.keeps)
 
     def pad(self, count: int):

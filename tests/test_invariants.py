@@ -474,6 +474,36 @@ def test_decode_steps_write_into_the_caches_room_and_their_logprobs_stay_exact()
     assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
+def test_rows_regrouped_or_joined_go_straight_into_new_room_and_every_logprob_stays_exact():
+    """Two requests on one prompt share a row, then diverge (a regroup copies rows); a third joins mid-run with a
+    shorter prompt (a join left-pads the two caches); the first finishes early (its row goes). After every step each
+    layer's keys and values are the front of its room, so the next decode step writes in place, and every request's
+    log-probs are those of one full forward."""
+    tok = char_tokenizer()
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    sampler = Sampler(copy.deepcopy(model), [], tok.pad_token_id, temperature=1.0)  # no stop ids: max_tokens each
+    prompt = tok("3 1 4 1 5 9 2 6=", add_special_tokens=False)["input_ids"]
+    reqs = [Request(prompt, 8, False, 1), Request(prompt, 20, False, 2),
+            Request(tok("2 7=", add_special_tokens=False)["input_ids"], 12, False, 3)]
+    sampler.pending += reqs[:2]
+    rows = []
+    for step in range(30):
+        if step == 3:
+            sampler.pending.append(reqs[2])
+        sampler.step()
+        rows.append(len(sampler.mask) if sampler.active else 0)
+        for layer in sampler.cache.layers if sampler.active else []:
+            assert layer.keys.data_ptr() == layer.room[0].data_ptr(), f"step {step}: keys outside the room"
+            assert layer.values.data_ptr() == layer.room[1].data_ptr(), f"step {step}: values outside the room"
+    assert [len(r.ids) for r in reqs] == [8, 20, 12] and max(rows) == 3 and rows[-1] == 0, rows
+    for req in reqs:
+        ids = torch.tensor([req.context + req.ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
+        assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
+
+
 def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
     """A request whose caller gave up (an agent's timeout, the run's end) is decoded no further from the next step
     on, and the KV budget it held goes to the next request at once; one cancelled while it waits is never decoded."""
