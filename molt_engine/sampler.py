@@ -14,8 +14,9 @@ from .models import routers
 class RoomyLayer(DynamicLayer):
     """A cache layer with room to grow: `keys`/`values` are the front of buffers with 32 positions to spare, so a
     decode step writes its token in place where DynamicLayer's cat copied every row's whole cache, in every layer,
-    at every step. Keys/values assigned from outside (rows regrouped or joined) get new room at the next update. The
-    spare positions are outside the KV budget's books (loop.kv_budget_gb): 32 positions a row at most."""
+    at every step. Rows regrouped or joined go straight into new room (Sampler._regroup, _join); keys/values assigned
+    otherwise (the rows a weight swap recomputes) get new room at the next update. The spare positions are outside
+    the KV budget's books (loop.kv_budget_gb): 32 positions a row at most."""
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         n, end = (self.keys.shape[-2] if self.is_initialized else 0), keys.shape[-2]
