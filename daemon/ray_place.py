@@ -95,7 +95,7 @@ def place(engine, address: str, args, number: int, config: dict, directory: Path
 
         pending, failures = list(tasks), []
         while pending and not failures:
-            if stop.is_set():  # each task passes the SIGTERM on to its node's launcher
+            if stop.is_set() and not stop_file.exists():  # each node's task passes it on to its launcher as SIGTERM
                 stop_file.touch()
             done, pending = ray.wait(pending, timeout=0.5)
             failures = [] if stop.is_set() else [f for ref in done if (f := failure(ref))]  # rank 0 recorded the stop
