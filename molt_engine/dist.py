@@ -171,11 +171,8 @@ def reduce_metrics(metrics: dict) -> dict:
     if world() == 1:
         return metrics
     ranks = all_gather(metrics)  # a name may be missing on a rank (an env metric none of its episodes reported)
-    reduced = {}
-    for k in sorted({k for m in ranks for k in m}):
-        values = torch.tensor([m[k] for m in ranks if k in m], dtype=torch.float64)
-        reduced[k] = float(values.sum() if k in SUMMED else values.max() if k in LARGEST else values.mean())
-    return reduced
+    vals = {k: torch.tensor([m[k] for m in ranks if k in m], dtype=torch.float64) for k in sorted(set().union(*ranks))}
+    return {k: float(v.sum() if k in SUMMED else v.max() if k in LARGEST else v.mean()) for k, v in vals.items()}
 
 
 def gather_ranks(state: dict) -> dict:

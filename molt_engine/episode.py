@@ -110,36 +110,39 @@ def uncollated(values: torch.Tensor, rows, episodes: list[Episode], prompt_width
 def token_logprobs(model, batch, temperature: float):
     """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]; 0 where no action can be).
 
-    Text-only batches never compute the same thing twice, nor padding that costs more than a forward: identical rows
-    (episodes of a group that sampled the same tokens) run once; rows of very different lengths run in chunks of
-    similar length (`_length_chunks`), each cut to its longest row; and in a chunk, the columns before the prompts'
-    last token, the same in every row of a group, run once per distinct prefix whose keys/values the rows then share.
-    Indexing back gives every row its log-probs, and autograd sums the rows' gradients into what they share: the same
-    log-probs and gradients as one full forward, for a fraction of the compute. MoE routing replay and VLM images
-    address every row and position of the batch, so those batches take the full forward."""
-    ids, mask, positions, targets = batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["targets"]
+    Text-only batches never compute the same thing twice, nor padding that costs more than a forward: rows of very
+    different lengths run in chunks of similar length (`_length_chunks`), each cut to its longest row; and in a chunk,
+    the columns that rows share from their start (a group's prompt, often its first turns, or the whole of episodes
+    that sampled the same tokens) run once per distinct prefix, whose keys/values the rows then continue (`_segments`
+    picks where to cut). Indexing back gives every row its log-probs, and autograd sums the rows' gradients into what
+    they share: the same log-probs and gradients as one full forward, for a fraction of the compute. MoE routing
+    replay and VLM images address every row and position of the batch, so those batches take the full forward."""
+    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    targets = F.pad(batch["targets"], (0, 1))  # one column per input column; the last one's prediction is dropped
     if "routes" in batch or "pixel_values" in batch:
         images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **images).logits
-        return _target_logprobs(logits, targets, temperature, model.config)
-    first, row = _distinct(torch.cat([ids, mask], 1))
-    ids, mask, positions, targets = ids[first], mask[first], positions[first], targets[first]
+        return _log_softmax(logits, temperature, model.config).gather(-1, targets.unsqueeze(-1))[:, :-1, 0]
+    key = ids.masked_fill(mask == 0, -1)  # rows that share a prefix share these, padding included
     split = max(batch["prompt_width"] - 1, 0)  # every target that can be an action is at this column or later
-    parts, order = [], []
+    logp = torch.zeros(ids.shape, device=ids.device)  # column t: the log-prob of token t + 1
     for chunk in _length_chunks(lengths := mask[:, split:].sum(1).tolist()):  # each row's columns from the split
         r = torch.tensor(chunk, device=ids.device)
         width, cache = split + max(lengths[i] for i in chunk), None
-        if split:
-            prefix, prefix_row = _distinct(torch.cat([ids[r, :split], mask[r, :split]], 1))
-            cache = model(input_ids=ids[r][prefix, :split], attention_mask=mask[r][prefix, :split],
-                          position_ids=positions[r][prefix, :split], use_cache=True, logits_to_keep=1).cache
-            cache.batch_select_indices(prefix_row)  # each row gets its prefix's keys/values
-        logits = model(input_ids=ids[r, split:width], attention_mask=mask[r, :width],
-                       position_ids=positions[r, split:width], cache=cache, use_cache=cache is not None).logits
-        logp = _target_logprobs(logits, targets[r, split:width - 1], temperature, model.config)
-        parts.append(F.pad(logp, (split, ids.shape[1] - width)))
-        order += chunk
-    return torch.cat(parts)[torch.tensor(order, device=ids.device).argsort()][row]
+        for a, b in _segments(key[r, :width]):  # columns [a, b) once per distinct prefix [0, b) of the chunk's rows
+            # each row's prefix (next_row), and a row of each prefix (node)
+            _, next_row = torch.unique(key[r, :b], dim=0, return_inverse=True)
+            node = next_row.new_empty(int(next_row.max()) + 1).scatter_(0, next_row, torch.arange(len(r)).to(r))
+            if cache is not None:
+                cache.batch_select_indices(node_row[node])  # each prefix continues its own start's keys/values
+            node_row, kept = next_row, b - max(a, split)  # logits only from the split
+            out = model(input_ids=ids[r][node, a:b], attention_mask=mask[r][node, :b], use_cache=True,
+                        position_ids=positions[r][node, a:b], cache=cache, logits_to_keep=max(kept, 1))
+            cache = out.cache
+            if kept > 0:  # a prefix's logits predict each of its rows' own next token
+                lp = _log_softmax(out.logits, temperature, model.config)
+                logp[r, b - kept:b] = lp[node_row[:, None], torch.arange(kept).to(r), targets[r, b - kept:b]]
+    return logp[:, :-1]
 
 
 def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
@@ -147,30 +150,32 @@ def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
     rows times its longest length, plus `overhead` positions for the fixed cost of one more forward and backward
     (about what 256 positions of the tiny presets cost on 2 CPU cores). One chunk while padding is cheaper than that."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    starts = [i for i in range(len(order)) if i == 0 or lengths[order[i]] != lengths[order[i - 1]]]
-    best = {len(order): (0, [])}  # the chunks from a start to the end: (least cost, chunks)
-    for start in reversed(starts):
-        best[start] = min((overhead + (end - start) * lengths[order[end - 1]] + best[end][0],
-                           [order[start:end]] + best[end][1]) for end in [s for s in starts if s > start] + [len(order)])
-    return best[0][1]
+    best = {0: (0, [])}  # the chunks of the shortest rows up to an index of `order`: (least cost, chunks)
+    for b in [i for i in range(1, len(order) + 1) if i == len(order) or lengths[order[i]] != lengths[order[i - 1]]]:
+        best[b] = min((cost + overhead + (b - a) * lengths[order[b - 1]], chunks + [order[a:b]])
+                      for a, (cost, chunks) in best.items())
+    return best[len(order)][1]
 
 
-def _distinct(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the distinct rows of a 2-D tensor: the index of one occurrence of each, and each row's distinct row."""
-    distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    first = torch.empty(len(distinct), dtype=torch.long).scatter_(0, inverse, torch.arange(len(rows)))
-    return first, inverse
+def _segments(key: torch.Tensor, overhead: int = 256) -> list[tuple[int, int]]:
+    """Where to cut the columns of a chunk's rows so that its forward computes the fewest positions: each segment
+    [a, b) runs once per distinct prefix [0, b), plus `overhead` positions for each forward, as in `_length_chunks`."""
+    rows = torch.unique(key, dim=0)  # sorted, so each row shares the most with its neighbours
+    shared = (rows[1:] != rows[:-1]).int().argmax(1).tolist()  # how many columns each row shares with the next
+    best = {0: (0, [])}  # the segments up to a column: (least cost, segments)
+    for b in sorted({c for c in shared if c > 0} | {key.shape[1]}):  # a cut pays just before rows part
+        prefixes = 1 + sum(c < b for c in shared)
+        best[b] = min((cost + overhead + prefixes * (b - a), segs + [(a, b)]) for a, (cost, segs) in best.items())
+    return best[key.shape[1]][1]
 
 
-def _target_logprobs(logits, targets, temperature: float, config):
-    logits = without_placeholder(logits[:, :-1].float() / temperature, config)
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def _log_softmax(logits, temperature: float, config):
+    return torch.log_softmax(without_placeholder(logits.float() / temperature, config), dim=-1)
 
 
 def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:
     """A VLM's image placeholder token is never an action (a generated one would have no image behind it): the
     sampler and the trainer both take it out of the distribution, so their log-probs agree."""
-    image_token = getattr(config, "image_token_id", None)
-    if image_token is None:
+    if (image_token := getattr(config, "image_token_id", None)) is None:
         return logits
     return logits.index_fill(-1, torch.tensor(image_token, device=logits.device), float("-inf"))

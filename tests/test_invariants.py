@@ -15,7 +15,7 @@ import molt_engine.loop as loop_mod
 import molt_engine.update as update_mod
 from molt_engine import Env, Observation, Result, register, train
 from molt_engine.envs import ENVS, Calculator, Shapes
-from molt_engine.episode import Episode, collate, token_logprobs
+from molt_engine.episode import Episode, _segments, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig
 from molt_engine.sampler import Request, Sampler
@@ -210,30 +210,30 @@ def test_a_dead_sampler_process_fails_the_run_naming_it():
 
 
 @pytest.mark.parametrize("long_rows", [0, 3])
-def test_shared_prompt_forward_equals_the_full_forward(long_rows):
-    """token_logprobs runs what rows share once (identical episodes; the columns of a group's prompt) and rows of far
-    longer episodes in a chunk of their own: its log-probs and gradients are those of one full forward over the padded
-    batch, for multi-turn episodes, prompts of different lengths, and same-length prompts that differ (rows share
-    only what is really equal)."""
+def test_shared_prefix_forward_equals_the_full_forward(long_rows):
+    """token_logprobs runs what rows share once (identical episodes; the columns a group's rows share from their start,
+    here a prompt and a 100-token first turn) and rows of far longer episodes in a chunk of their own: its log-probs and
+    gradients are those of one full forward over the padded batch, for multi-turn episodes, prompts of different
+    lengths, and same-length prompts that differ (rows share only what is really equal)."""
     tok = char_tokenizer()
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=3)
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     g = torch.Generator().manual_seed(0)
-    episodes = []
-    for group, prompt in enumerate(["Q 12+5\n"] * 3 + ["Q 7*8\n"] * 2 + ["Q 12+6\n"]):
+    reply = lambda n: torch.randint(3, tok.vocab_size, (n,), generator=g).tolist()
+    first_turn, episodes = reply(100), []
+    for group, prompt in enumerate(["Q 12+5\n"] * 4 + ["Q 7*8\n"] * 2 + ["Q 12+6\n"]):
         ep = Episode(seed=group, group=group)
         ep.extend(encode(prompt))
-        for turn in range(1 + group % 2):  # one or two turns, env feedback in between
-            actions = torch.randint(3, tok.vocab_size, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
-            ep.extend(actions.tolist(), action=True, logprobs=[0.0] * len(actions), versions=[0] * len(actions))
+        turns = [first_turn] * (group < 4) + [reply(int(torch.randint(1, 6, (1,), generator=g))) for _ in range(1 + group % 2)]
+        for turn, actions in enumerate(turns):  # env feedback after each turn
+            ep.extend(actions, action=True, logprobs=[0.0] * len(actions), versions=[0] * len(actions))
             ep.extend(encode(f"={turn}\n"))
         episodes.append(ep)
     episodes.insert(1, copy.deepcopy(episodes[0]))  # a group's episodes often sample the very same tokens
-    for _ in range(long_rows):  # a group whose replies are 100 tokens: padding the others to them costs 600 positions
+    for _ in range(long_rows):  # a group whose replies are 300 tokens: padding the others to them costs 1,800 positions
         episodes.append(Episode(seed=9, group=9))
         episodes[-1].extend(encode("Q 9*9\n"))
-        episodes[-1].extend(torch.randint(3, tok.vocab_size, (100,), generator=g).tolist(), action=True,
-                            logprobs=[0.0] * 100, versions=[0] * 100)
+        episodes[-1].extend(reply(300), action=True, logprobs=[0.0] * 300, versions=[0] * 300)
     batch = collate(episodes, tok.pad_token_id)
     rows_seen = []
     hook = model.model.register_forward_pre_hook(lambda m, args, kw: rows_seen.append(tuple(kw["input_ids"].shape)),
@@ -248,17 +248,27 @@ def test_shared_prompt_forward_equals_the_full_forward(long_rows):
                    position_ids=batch["position_ids"]).logits[:, :-1]
     full = torch.log_softmax(logits, -1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
     full[mask].sum().backward()
-    # Three distinct prompts: "Q 12+5", "Q 7*8" and "Q 12+6" (the last token of each prompt starts the suffix), and
-    # six distinct episodes out of seven.
-    split = batch["prompt_width"] - 1
-    short = split + int(batch["attention_mask"][:7, split:].sum(1).max())  # the short rows' longest
-    assert rows_seen == [(3, split), (6, short - split)] + [(1, split), (3, batch["input_ids"].shape[1] - split)] * (
+    # The short rows in one forward: two "Q 7*8" rows and "Q 12+6", which shares only "Q 12+" with "Q 12+5" (too little
+    # to pay for a forward of its own). The "Q 12+5" rows (five episodes, two identical): their prompt, first turn and
+    # its feedback once, then their four distinct continuations. The 300-token rows in a chunk of their own.
+    split, shared, long = batch["prompt_width"] - 1, 7 + 100 + 3, int(batch["attention_mask"][:5].sum(1).max())
+    short = split + int(batch["attention_mask"][5:8, split:].sum(1).max())
+    assert rows_seen == [(3, short), (1, shared), (4, long - shared)] + [(3, batch["input_ids"].shape[1])] * (
         long_rows > 0)
     assert torch.equal(logp[0], logp[1]) and (logp[0] != 0).any()
     assert mask.sum() == sum(e.n_actions for e in episodes) and mask[:, :split].sum() == 0
     assert (logp[mask] - full[mask]).abs().max() <= 1e-5
     for shared, p in zip(shared_grads, model.parameters()):
         assert (shared - p.grad).abs().max() <= 1e-5 * p.grad.abs().max()  # float32 summation order only
+
+
+def test_cuts_where_a_forward_costs_least():
+    """Hand-computed: three rows share 2 columns, two of them 3. Without a forward's overhead each prefix runs once
+    (cost 2 + 2 + 3 = 7 positions); at 5 positions a forward, one forward of all three rows is cheapest (5 + 12)."""
+    key = torch.tensor([[1, 2, 6, 7], [1, 2, 3, 5], [1, 2, 3, 4]])
+    assert _segments(key, overhead=0) == [(0, 2), (2, 3), (3, 4)]
+    assert _segments(key, overhead=5) == [(0, 4)]
+    assert _segments(key, overhead=2) == [(0, 2), (2, 4)]  # 12, where cuts at 2 and 3 or at 3 alone cost 13
 
 
 @pytest.mark.parametrize("turns", [1, 2])
