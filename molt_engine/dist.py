@@ -83,9 +83,9 @@ def wrap(model, optimizer, cfg):
     state = get_optimizer_state_dict(model, optimizer) if optimizer.state else None
     if cfg.strategy == "fsdp2":
         from torch.distributed.fsdp import fully_shard
-        # One group, not one per decoder layer: the trainer's forward calls the model twice (the shared prompt
-        # prefix, then the rest) before one backward, and a layer's gradient is complete only when the whole backward
-        # is done; so the parameters are gathered for the forward and backward and sharded between steps.
+        # One group, not one per decoder layer: the trainer's forward calls the model several times (the prefixes
+        # rows share, then the rest) before one backward, and a layer's gradient is complete only when the whole
+        # backward is done; so the parameters are gathered for the forward and backward and sharded between steps.
         fully_shard(model, reshard_after_forward=False)
     else:
         from torch.distributed._composable import replicate  # DDP, applied in place: the model keeps its class
