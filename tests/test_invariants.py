@@ -224,7 +224,8 @@ def test_shared_prefix_forward_equals_the_full_forward(long_rows):
     for group, prompt in enumerate(["Q 12+5\n"] * 4 + ["Q 7*8\n"] * 2 + ["Q 12+6\n"]):
         ep = Episode(seed=group, group=group)
         ep.extend(encode(prompt))
-        turns = [first_turn] * (group < 4) + [reply(int(torch.randint(1, 6, (1,), generator=g))) for _ in range(1 + group % 2)]
+        later = [reply(int(torch.randint(1, 6, (1,), generator=g))) for _ in range(1 + group % 2)]
+        turns = [first_turn] * (group < 4) + later  # "Q 12+5" rows all open with the same 100-token call
         for turn, actions in enumerate(turns):  # env feedback after each turn
             ep.extend(actions, action=True, logprobs=[0.0] * len(actions), versions=[0] * len(actions))
             ep.extend(encode(f"={turn}\n"))
@@ -251,9 +252,9 @@ def test_shared_prefix_forward_equals_the_full_forward(long_rows):
     # The short rows in one forward: two "Q 7*8" rows and "Q 12+6", which shares only "Q 12+" with "Q 12+5" (too little
     # to pay for a forward of its own). The "Q 12+5" rows (five episodes, two identical): their prompt, first turn and
     # its feedback once, then their four distinct continuations. The 300-token rows in a chunk of their own.
-    split, shared, long = batch["prompt_width"] - 1, 7 + 100 + 3, int(batch["attention_mask"][:5].sum(1).max())
+    split, common, long = batch["prompt_width"] - 1, 7 + 100 + 3, int(batch["attention_mask"][:5].sum(1).max())
     short = split + int(batch["attention_mask"][5:8, split:].sum(1).max())
-    assert rows_seen == [(3, short), (1, shared), (4, long - shared)] + [(3, batch["input_ids"].shape[1])] * (
+    assert rows_seen == [(3, short), (1, common), (4, long - common)] + [(3, batch["input_ids"].shape[1])] * (
         long_rows > 0)
     assert torch.equal(logp[0], logp[1]) and (logp[0] != 0).any()
     assert mask.sum() == sum(e.n_actions for e in episodes) and mask[:, :split].sum() == 0
