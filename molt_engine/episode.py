@@ -136,8 +136,8 @@ def token_logprobs(model, batch, temperature: float):
             if cache is not None:
                 cache.batch_select_indices(node_row[node])  # each prefix continues its own start's keys/values
             node_row, kept = next_row, b - max(a, split)  # logits only from the split
-            out = model(input_ids=ids[r][node, a:b], attention_mask=mask[r][node, :b], use_cache=True,
-                        position_ids=positions[r][node, a:b], cache=cache, logits_to_keep=max(kept, 1))
+            out = model(input_ids=ids[r[node], a:b], attention_mask=mask[r[node], :b], use_cache=True,
+                        position_ids=positions[r[node], a:b], cache=cache, logits_to_keep=max(kept, 1))
             cache = out.cache
             if kept > 0:  # a prefix's logits predict each of its rows' own next token
                 lp = _log_softmax(out.logits, temperature, model.config)
@@ -150,11 +150,8 @@ def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
     rows times its longest length, plus `overhead` positions for the fixed cost of one more forward and backward
     (about what 256 positions of the tiny presets cost on 2 CPU cores). One chunk while padding is cheaper than that."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    best = {0: (0, [])}  # the chunks of the shortest rows up to an index of `order`: (least cost, chunks)
-    for b in [i for i in range(1, len(order) + 1) if i == len(order) or lengths[order[i]] != lengths[order[i - 1]]]:
-        best[b] = min((cost + overhead + (b - a) * lengths[order[b - 1]], chunks + [order[a:b]])
-                      for a, (cost, chunks) in best.items())
-    return best[len(order)][1]
+    ends = [i for i in range(1, len(order) + 1) if i == len(order) or lengths[order[i]] != lengths[order[i - 1]]]
+    return [order[a:b] for a, b in _cheapest_pieces(ends, [lengths[order[b - 1]] for b in ends], overhead)]
 
 
 def _segments(key: torch.Tensor, overhead: int = 256) -> list[tuple[int, int]]:
@@ -162,11 +159,18 @@ def _segments(key: torch.Tensor, overhead: int = 256) -> list[tuple[int, int]]:
     [a, b) runs once per distinct prefix [0, b), plus `overhead` positions for each forward, as in `_length_chunks`."""
     rows = torch.unique(key, dim=0)  # sorted, so each row shares the most with its neighbours
     shared = (rows[1:] != rows[:-1]).int().argmax(1).tolist()  # how many columns each row shares with the next
-    best = {0: (0, [])}  # the segments up to a column: (least cost, segments)
-    for b in sorted({c for c in shared if c > 0} | {key.shape[1]}):  # a cut pays just before rows part
-        prefixes = 1 + sum(c < b for c in shared)
-        best[b] = min((cost + overhead + prefixes * (b - a), segs + [(a, b)]) for a, (cost, segs) in best.items())
-    return best[key.shape[1]][1]
+    ends = sorted({c for c in shared if c > 0} | {key.shape[1]})  # a cut pays just before rows part
+    return _cheapest_pieces(ends, [1 + sum(c < b for c in shared) for b in ends], overhead)  # prefixes [0, b)
+
+
+def _cheapest_pieces(ends: list[int], rates: list[int], overhead: int) -> list[tuple[int, int]]:
+    """The pieces [a, b) from 0 to the last of `ends` (increasing), cut at some of them, that cost the least in all: a
+    piece costs `overhead`, plus the rate of the end it stops at for each of its b - a units."""
+    best = {0: (0, [])}  # up to each end: (least cost, pieces)
+    for b, rate in zip(ends, rates):
+        total, a = min((cost + overhead + rate * (b - a), a) for a, (cost, _) in best.items())
+        best[b] = (total, best[a][1] + [(a, b)])  # one list built per end, not one per candidate
+    return best[max(best)][1]
 
 
 def _log_softmax(logits, temperature: float, config):
