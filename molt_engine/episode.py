@@ -78,16 +78,13 @@ def collate(episodes: list[Episode], pad_id: int) -> dict:
         "behav_logp": rows([e.logprobs for e in episodes], 0.0)[:, 1:].float(),
         "versions": rows([e.versions for e in episodes], -1)[:, 1:], "prompt_width": before,
     }
-    recorded = [(i, j, x) for i, e in enumerate(episodes) for j, x in enumerate(e.experts) if x]
-    if recorded:
+    if recorded := [(i, j, x) for i, e in enumerate(episodes) for j, x in enumerate(e.experts) if x]:
         # MoE: the experts recorded for token j were chosen at input position j-1, whose logits predicted it.
         layers, k = len(recorded[0][2]), len(recorded[0][2][0])
-        routes = torch.full(ids.shape + (layers, k), -1, dtype=torch.long)
+        batch["routes"] = routes = torch.full(ids.shape + (layers, k), -1, dtype=torch.long)
         for i, j, x in recorded:
             routes[i, before - prompts[i] + j - 1] = torch.tensor(x)
-        batch["routes"] = routes
-    images = [image for e in episodes for image in e.images]
-    if images:
+    if images := [image for e in episodes for image in e.images]:
         batch["pixel_values"] = torch.stack(images)
     return batch
 
@@ -110,38 +107,51 @@ def uncollated(values: torch.Tensor, rows, episodes: list[Episode], prompt_width
 def token_logprobs(model, batch, temperature: float):
     """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]; 0 where no action can be).
 
-    Text-only batches never compute the same thing twice, nor padding that costs more than a forward: rows of very
-    different lengths run in chunks of similar length (`_length_chunks`), each cut to its longest row; and in a chunk,
-    the columns that rows share from their start (a group's prompt, often its first turns, or the whole of episodes
-    that sampled the same tokens) run once per distinct prefix, whose keys/values the rows then continue (`_segments`
-    picks where to cut). Indexing back gives every row its log-probs, and autograd sums the rows' gradients into what
-    they share: the same log-probs and gradients as one full forward, for a fraction of the compute. MoE routing
-    replay and VLM images address every row and position of the batch, so those batches take the full forward."""
-    ids, mask, positions = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    Text-only batches never compute what rows share twice, nor padding that costs more than a forward. The rows of a
+    prompt form a prefix tree (rows that sample the same first turn share its tokens, identical episodes all of them),
+    packed as one sequence of its distinct tokens in which each token attends to its ancestors only (a 4D mask), at
+    its own position: the same log-probs and gradients as one full forward, for a fraction of the compute (autograd
+    sums the rows' gradients into what they share). Trees of very different sizes run in chunks of similar size
+    (`_length_chunks`). MoE routing replay and VLM images address every row and position of the batch, and attention
+    other than SDPA over full causal layers cannot take the mask, so those take the full forward."""
+    ids, mask, positions, config = batch["input_ids"], batch["attention_mask"], batch["position_ids"], model.config
     targets = F.pad(batch["targets"], (0, 1))  # one column per input column; the last one's prediction is dropped
-    if "routes" in batch or "pixel_values" in batch:
+    if "routes" in batch or "pixel_values" in batch or config._attn_implementation != "sdpa" or getattr(
+            config, "sliding_window", None):  # a custom 4D mask would also replace the sliding window's
         images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **images).logits
-        return _log_softmax(logits, temperature, model.config).gather(-1, targets.unsqueeze(-1))[:, :-1, 0]
-    key = ids.masked_fill(mask == 0, -1)  # rows that share a prefix share these, padding included
+        return _log_softmax(logits, temperature, config).gather(-1, targets.unsqueeze(-1))[:, :-1, 0]
     split = max(batch["prompt_width"] - 1, 0)  # every target that can be an action is at this column or later
+    rows, row = torch.unique(ids.masked_fill(mask == 0, -1), dim=0, return_inverse=True)  # sorted: sharers adjacent
+    real, columns = rows >= 0, torch.arange(ids.shape[1]).to(ids)
+    shared = F.pad((rows[1:] != rows[:-1]).int().argmax(1), (1, 0)).tolist()  # columns shared with the row before
+    ends, tree, sizes = (real * columns).argmax(1) + 1, [], []  # each distinct row's tree; each tree's node count
+    for i, (n, end) in enumerate(zip(real.sum(1).tolist(), ends.tolist())):
+        if not sizes or shared[i] <= split or sizes[-1] + end - shared[i] > 4 * len(columns):  # attention: its square
+            shared[i], sizes = end - n, sizes + [0]  # a tree per prompt, of bounded width: all the row's tokens are new
+        sizes[-1], tree = sizes[-1] + end - shared[i], tree + [len(sizes) - 1]
+    new = real & (columns >= torch.tensor(shared).to(ids)[:, None])  # where a row leaves its tree's nodes so far
+    # Nodes numbered in the order rows create them: a preorder of each tree (the rows are sorted), so a node's subtree
+    # runs from it to the last node of the last row through it. A shared token is the node above it.
+    node = torch.where(new, new.flatten().cumsum(0).view_as(new) - 1, -1).cummax(0).values.masked_fill(~real, -1)
+    stop = node.new_zeros(int(new.sum())).scatter_reduce_(
+        0, node[real], node.gather(1, ends[:, None] - 1).expand_as(node)[real] + 1, "amax")
+    tree, base = torch.tensor(tree).to(ids)[row], F.pad(torch.tensor(sizes).to(ids).cumsum(0), (1, 0))  # trees' starts
+    slot = (node[row] - base[tree][:, None])[:, split:]  # a batch row's tokens' places in its tree's sequence
+    tokens, where = rows[new], positions[row.new_empty(len(rows)).scatter_(0, row, torch.arange(len(row)).to(row))][new]
     logp = torch.zeros(ids.shape, device=ids.device)  # column t: the log-prob of token t + 1
-    for chunk in _length_chunks(lengths := mask[:, split:].sum(1).tolist()):  # each row's columns from the split
-        r = torch.tensor(chunk, device=ids.device)
-        width, cache = split + max(lengths[i] for i in chunk), None
-        for a, b in _segments(key[r, :width]):  # columns [a, b) once per distinct prefix [0, b) of the chunk's rows
-            # each row's prefix (next_row), and a row of each prefix (node)
-            _, next_row = torch.unique(key[r, :b], dim=0, return_inverse=True)
-            node = next_row.new_empty(int(next_row.max()) + 1).scatter_(0, next_row, torch.arange(len(r)).to(r))
-            if cache is not None:
-                cache.batch_select_indices(node_row[node])  # each prefix continues its own start's keys/values
-            node_row, kept = next_row, b - max(a, split)  # logits only from the split
-            out = model(input_ids=ids[r[node], a:b], attention_mask=mask[r[node], :b], use_cache=True,
-                        position_ids=positions[r[node], a:b], cache=cache, logits_to_keep=max(kept, 1))
-            cache = out.cache
-            if kept > 0:  # a prefix's logits predict each of its rows' own next token
-                lp = _log_softmax(out.logits, temperature, model.config)
-                logp[r, b - kept:b] = lp[node_row[:, None], torch.arange(kept).to(r), targets[r, b - kept:b]]
+    for chunk in _length_chunks(sizes):
+        c, place = torch.tensor(chunk).to(ids), torch.arange(max(sizes[t] for t in chunk)).to(ids)
+        grid = (base[c][:, None] + place).clamp(max=len(tokens) - 1)  # each tree's nodes, then padding
+        last = torch.where(place < (base[c + 1] - base[c])[:, None], stop[grid] - base[c][:, None], place + 1)
+        local = torch.full_like(base, -1).index_put_((c,), torch.arange(len(c)).to(ids))[tree]  # row in the chunk
+        r = (local >= 0).nonzero()[:, 0]  # the batch rows in this chunk
+        low = int(slot[r, 0].min())  # logits only from the split, the first of them at this place
+        out = model(input_ids=tokens[grid], position_ids=where[grid], logits_to_keep=len(place) - low,
+                    attention_mask=((place <= place[:, None]) & (place[:, None] < last[:, None, :]))[:, None])
+        lp = _log_softmax(out.logits, temperature, config)  # above: a node sees its ancestors, padding itself alone
+        # a node's logits predict each of its rows' own next token
+        logp[r, split:] = lp[local[r, None], (slot[r] - low).clamp(min=0), targets[r, split:]].where(slot[r] >= 0, 0.)
     return logp[:, :-1]
 
 
@@ -150,27 +160,11 @@ def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
     rows times its longest length, plus `overhead` positions for the fixed cost of one more forward and backward
     (about what 256 positions of the tiny presets cost on 2 CPU cores). One chunk while padding is cheaper than that."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    ends = [i for i in range(1, len(order) + 1) if i == len(order) or lengths[order[i]] != lengths[order[i - 1]]]
-    return [order[a:b] for a, b in _cheapest_pieces(ends, [lengths[order[b - 1]] for b in ends], overhead)]
-
-
-def _segments(key: torch.Tensor, overhead: int = 256) -> list[tuple[int, int]]:
-    """Where to cut the columns of a chunk's rows so that its forward computes the fewest positions: each segment
-    [a, b) runs once per distinct prefix [0, b), plus `overhead` positions for each forward, as in `_length_chunks`."""
-    rows = torch.unique(key, dim=0)  # sorted, so each row shares the most with its neighbours
-    shared = (rows[1:] != rows[:-1]).int().argmax(1).tolist()  # how many columns each row shares with the next
-    ends = sorted({c for c in shared if c > 0} | {key.shape[1]})  # a cut pays just before rows part
-    return _cheapest_pieces(ends, [1 + sum(c < b for c in shared) for b in ends], overhead)  # prefixes [0, b)
-
-
-def _cheapest_pieces(ends: list[int], rates: list[int], overhead: int) -> list[tuple[int, int]]:
-    """The pieces [a, b) from 0 to the last of `ends` (increasing), cut at some of them, that cost the least in all: a
-    piece costs `overhead`, plus the rate of the end it stops at for each of its b - a units."""
-    best = {0: (0, [])}  # up to each end: (least cost, pieces)
-    for b, rate in zip(ends, rates):
-        total, a = min((cost + overhead + rate * (b - a), a) for a, (cost, _) in best.items())
-        best[b] = (total, best[a][1] + [(a, b)])  # one list built per end, not one per candidate
-    return best[max(best)][1]
+    best = {0: (0, [])}  # the first b rows: (least cost, chunks)
+    for b in (i for i in range(1, len(order) + 1) if i == len(order) or lengths[order[i]] != lengths[order[i - 1]]):
+        total, a = min((cost + overhead + (b - a) * lengths[order[b - 1]], a) for a, (cost, _) in best.items())
+        best[b] = (total, best[a][1] + [order[a:b]])  # one list built per end, not one per candidate
+    return best[len(order)][1]
 
 
 def _log_softmax(logits, temperature: float, config):

@@ -15,7 +15,7 @@ import molt_engine.loop as loop_mod
 import molt_engine.update as update_mod
 from molt_engine import Env, Observation, Result, register, train
 from molt_engine.envs import ENVS, Calculator, Shapes
-from molt_engine.episode import Episode, _segments, collate, token_logprobs
+from molt_engine.episode import Episode, _length_chunks, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig
 from molt_engine.sampler import Request, Sampler
@@ -209,12 +209,13 @@ def test_a_dead_sampler_process_fails_the_run_naming_it():
     assert not multiprocessing.active_children()
 
 
-@pytest.mark.parametrize("long_rows", [0, 3])
+@pytest.mark.parametrize("long_rows", [0, 5])
 def test_shared_prefix_forward_equals_the_full_forward(long_rows):
-    """token_logprobs runs what rows share once (identical episodes; the columns a group's rows share from their start,
-    here a prompt and a 100-token first turn) and rows of far longer episodes in a chunk of their own: its log-probs and
-    gradients are those of one full forward over the padded batch, for multi-turn episodes, prompts of different
-    lengths, and same-length prompts that differ (rows share only what is really equal)."""
+    """token_logprobs runs each distinct prefix of a prompt's rows once (identical episodes; the columns a group's rows
+    share from their start, here a prompt and a 100-token first turn), a tree at most four rows wide, and rows of far
+    longer episodes in a chunk of their own: its log-probs and gradients are those of one full forward over the padded
+    batch, for multi-turn episodes, prompts of different lengths, and same-length prompts that differ (rows share only
+    what is really equal)."""
     tok = char_tokenizer()
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=3)
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
@@ -231,7 +232,7 @@ def test_shared_prefix_forward_equals_the_full_forward(long_rows):
             ep.extend(encode(f"={turn}\n"))
         episodes.append(ep)
     episodes.insert(1, copy.deepcopy(episodes[0]))  # a group's episodes often sample the very same tokens
-    for _ in range(long_rows):  # a group whose replies are 300 tokens: padding the others to them costs 1,800 positions
+    for _ in range(long_rows):  # a group whose replies are 300 tokens: padding the others to them costs 3,000 positions
         episodes.append(Episode(seed=9, group=9))
         episodes[-1].extend(encode("Q 9*9\n"))
         episodes[-1].extend(reply(300), action=True, logprobs=[0.0] * 300, versions=[0] * 300)
@@ -249,27 +250,28 @@ def test_shared_prefix_forward_equals_the_full_forward(long_rows):
                    position_ids=batch["position_ids"]).logits[:, :-1]
     full = torch.log_softmax(logits, -1).gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
     full[mask].sum().backward()
-    # The short rows in one forward: two "Q 7*8" rows and "Q 12+6", which shares only "Q 12+" with "Q 12+5" (too little
-    # to pay for a forward of its own). The "Q 12+5" rows (five episodes, two identical): their prompt, first turn and
-    # its feedback once, then their four distinct continuations. The 300-token rows in a chunk of their own.
-    split, common, long = batch["prompt_width"] - 1, 7 + 100 + 3, int(batch["attention_mask"][:5].sum(1).max())
-    short = split + int(batch["attention_mask"][5:8, split:].sum(1).max())
-    assert rows_seen == [(3, short), (1, common), (4, long - common)] + [(3, batch["input_ids"].shape[1])] * (
-        long_rows > 0)
+    # Trees, padded to the widest of their chunk: the "Q 12+5" rows (five episodes, two identical) run their prompt,
+    # first turn and its feedback once, then their four distinct continuations; the two "Q 7*8" rows share their
+    # prompt; "Q 12+6" shares only "Q 12+" with "Q 12+5", so it is a tree of its own. The 300-token rows: four in a
+    # tree (their prompt once), the fifth in a tree of its own, as it would take the tree past four rows' width. Alone,
+    # the short trees run as one forward; beside the long ones, "Q 12+5" goes in the chunk of the 306-token tree.
+    common, lengths = 7 + 100 + 3, [len(e.token_ids) for e in episodes]
+    q125, q78 = common + sum(n - common for n in lengths[1:5]), 6 + sum(n - 6 for n in lengths[5:7])
+    assert rows_seen == ([(2, max(q78, lengths[7])), (2, 306), (1, 6 + 4 * 300)] if long_rows else [(3, q125)])
     assert torch.equal(logp[0], logp[1]) and (logp[0] != 0).any()
+    split = batch["prompt_width"] - 1
     assert mask.sum() == sum(e.n_actions for e in episodes) and mask[:, :split].sum() == 0
     assert (logp[mask] - full[mask]).abs().max() <= 1e-5
     for shared, p in zip(shared_grads, model.parameters()):
         assert (shared - p.grad).abs().max() <= 1e-5 * p.grad.abs().max()  # float32 summation order only
 
 
-def test_cuts_where_a_forward_costs_least():
-    """Hand-computed: three rows share 2 columns, two of them 3. Without a forward's overhead each prefix runs once
-    (cost 2 + 2 + 3 = 7 positions); at 5 positions a forward, one forward of all three rows is cheapest (5 + 12)."""
-    key = torch.tensor([[1, 2, 6, 7], [1, 2, 3, 5], [1, 2, 3, 4]])
-    assert _segments(key, overhead=0) == [(0, 2), (2, 3), (3, 4)]
-    assert _segments(key, overhead=5) == [(0, 4)]
-    assert _segments(key, overhead=2) == [(0, 2), (2, 4)]  # 12, where cuts at 2 and 3 or at 3 alone cost 13
+def test_rows_go_in_the_length_chunks_that_cost_least():
+    """Hand-computed, lengths 2, 2, 3 and 10: at 5 positions a forward, [2, 2, 3] and [10] (5 + 9 + 5 + 10 = 29) beat
+    one chunk (45) and three (32); without a forward's cost, one chunk per length (17); at 50, one chunk (90)."""
+    assert _length_chunks([10, 2, 3, 2], overhead=5) == [[1, 3, 2], [0]]
+    assert _length_chunks([10, 2, 3, 2], overhead=0) == [[1, 3], [2], [0]]
+    assert _length_chunks([10, 2, 3, 2], overhead=50) == [[1, 3, 2, 0]]
 
 
 @pytest.mark.parametrize("turns", [1, 2])
