@@ -126,9 +126,11 @@ def token_logprobs(model, batch, temperature: float):
     real, columns = rows >= 0, torch.arange(ids.shape[1]).to(ids)
     shared = F.pad((rows[1:] != rows[:-1]).int().argmax(1), (1, 0)).tolist()  # columns shared with the row before
     ends, tree, sizes = (real * columns).argmax(1) + 1, [], []  # each distinct row's tree; each tree's node count
+    # A tree per prompt, of at most four rows' width (a dense mask's attention grows with its square). A row that
+    # starts a tree brings all its tokens as new nodes; any other, those after what it shares with the row before.
     for i, (n, end) in enumerate(zip(real.sum(1).tolist(), ends.tolist())):
-        if not sizes or shared[i] <= split or sizes[-1] + end - shared[i] > 4 * len(columns):  # attention: its square
-            shared[i], sizes = end - n, sizes + [0]  # a tree per prompt, of bounded width: all the row's tokens are new
+        if not sizes or shared[i] <= split or sizes[-1] + end - shared[i] > 4 * len(columns):
+            shared[i], sizes = end - n, sizes + [0]
         sizes[-1], tree = sizes[-1] + end - shared[i], tree + [len(sizes) - 1]
     new = real & (columns >= torch.tensor(shared).to(ids)[:, None])  # where a row leaves its tree's nodes so far
     # Nodes numbered in the order rows create them: a preorder of each tree (the rows are sorted), so a node's subtree
@@ -143,22 +145,24 @@ def token_logprobs(model, batch, temperature: float):
     for chunk in _length_chunks(sizes):
         c, place = torch.tensor(chunk).to(ids), torch.arange(max(sizes[t] for t in chunk)).to(ids)
         grid = (base[c][:, None] + place).clamp(max=len(tokens) - 1)  # each tree's nodes, then padding
+        # A query node sees key node k if k <= it < k's subtree's end: its ancestors and itself. Padding sees itself.
         last = torch.where(place < (base[c + 1] - base[c])[:, None], stop[grid] - base[c][:, None], place + 1)
         local = torch.full_like(base, -1).index_put_((c,), torch.arange(len(c)).to(ids))[tree]  # row in the chunk
         r = (local >= 0).nonzero()[:, 0]  # the batch rows in this chunk
         low = int(slot[r, 0].min())  # logits only from the split, the first of them at this place
         out = model(input_ids=tokens[grid], position_ids=where[grid], logits_to_keep=len(place) - low,
                     attention_mask=((place <= place[:, None]) & (place[:, None] < last[:, None, :]))[:, None])
-        lp = _log_softmax(out.logits, temperature, config)  # above: a node sees its ancestors, padding itself alone
+        lp = _log_softmax(out.logits, temperature, config)
         # a node's logits predict each of its rows' own next token
         logp[r, split:] = lp[local[r, None], (slot[r] - low).clamp(min=0), targets[r, split:]].where(slot[r] >= 0, 0.)
     return logp[:, :-1]
 
 
 def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
-    """Rows (indices into `lengths`) in chunks of similar length that compute the fewest positions: a chunk costs its
-    rows times its longest length, plus `overhead` positions for the fixed cost of one more forward and backward
-    (about what 256 positions of the tiny presets cost on 2 CPU cores). One chunk while padding is cheaper than that."""
+    """Rows (indices into `lengths`; here, prefix trees and their sizes) in chunks of similar length that compute the
+    fewest positions: a chunk costs its rows times its longest length, plus `overhead` positions for the fixed cost of
+    one more forward and backward (about what 256 positions of the tiny presets cost on 2 CPU cores). One chunk while
+    padding is cheaper than that."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     best = {0: (0, [])}  # the first b rows: (least cost, chunks)
     for b in (i for i in range(1, len(order) + 1) if i == len(order) or lengths[order[i]] != lengths[order[i - 1]]):
