@@ -128,6 +128,7 @@ def token_logprobs(model, batch, temperature: float):
     ends, tree, sizes = (real * columns).argmax(1) + 1, [], []  # each distinct row's tree; each tree's node count
     # A tree per prompt, of at most four rows' width (a dense mask's attention grows with its square). A row that
     # starts a tree brings all its tokens as new nodes; any other, those after what it shares with the row before.
+    # From here on, shared[i] is the column where row i's new nodes start.
     for i, (n, end) in enumerate(zip(real.sum(1).tolist(), ends.tolist())):
         if not sizes or shared[i] <= split or sizes[-1] + end - shared[i] > 4 * len(columns):
             shared[i], sizes = end - n, sizes + [0]
@@ -138,8 +139,8 @@ def token_logprobs(model, batch, temperature: float):
     node = torch.where(new, new.flatten().cumsum(0).view_as(new) - 1, -1).cummax(0).values.masked_fill(~real, -1)
     stop = node.new_zeros(int(new.sum())).scatter_reduce_(
         0, node[real], node.gather(1, ends[:, None] - 1).expand_as(node)[real] + 1, "amax")
-    tree, base = torch.tensor(tree).to(ids)[row], F.pad(torch.tensor(sizes).to(ids).cumsum(0), (1, 0))  # trees' starts
-    slot = (node[row] - base[tree][:, None])[:, split:]  # a batch row's tokens' places in its tree's sequence
+    in_tree, base = torch.tensor(tree).to(ids)[row], F.pad(torch.tensor(sizes).to(ids).cumsum(0), (1, 0))  # tree starts
+    slot = (node[row] - base[in_tree][:, None])[:, split:]  # a batch row's tokens' places in its tree's sequence
     tokens, where = rows[new], positions[row.new_empty(len(rows)).scatter_(0, row, torch.arange(len(row)).to(row))][new]
     logp = torch.zeros(ids.shape, device=ids.device)  # column t: the log-prob of token t + 1
     for chunk in _length_chunks(sizes):
@@ -147,7 +148,7 @@ def token_logprobs(model, batch, temperature: float):
         grid = (base[c][:, None] + place).clamp(max=len(tokens) - 1)  # each tree's nodes, then padding
         # A query node sees key node k if k <= it < k's subtree's end: its ancestors and itself. Padding sees itself.
         last = torch.where(place < (base[c + 1] - base[c])[:, None], stop[grid] - base[c][:, None], place + 1)
-        local = torch.full_like(base, -1).index_put_((c,), torch.arange(len(c)).to(ids))[tree]  # row in the chunk
+        local = torch.full_like(base, -1).index_put_((c,), torch.arange(len(c)).to(ids))[in_tree]  # row in the chunk
         r = (local >= 0).nonzero()[:, 0]  # the batch rows in this chunk
         low = int(slot[r, 0].min())  # logits only from the split, the first of them at this place
         out = model(input_ids=tokens[grid], position_ids=where[grid], logits_to_keep=len(place) - low,
