@@ -160,7 +160,7 @@ class Training:
         policy = (policy.merge_and_unload() if self.cfg.model.lora else policy).to(getattr(torch, dtype))
         kw = dict(stop_ids=self.stops, pad_id=self.pad_id, version=self.version, temperature=loop.temperature,
                   kv_budget_gb=loop.kv_budget_gb)
-        self.sampler = (SamplerProcess(policy, self.rollout, **kw) if loop.sampler_process else
+        self.sampler = (SamplerProcess(policy, **kw) if loop.sampler_process else
                         Sampler(policy, **kw, executor=None if loop.max_staleness else self.compute))
         # More than one process: rank 0 evaluates
         self.eval_sampler = Sampler(copy.deepcopy(policy), **kw) if loop.eval_every and dist.rank() == 0 else None

@@ -52,8 +52,6 @@ class Rollout:
         """Alternate policy turns and env steps. Generated ids go into the record as sampled, never re-encoded;
         only env text is tokenized, and it is never trained. Returns the episode's rows: one record, or an agent's
         segments."""
-        if getattr(sampler, "runs_episodes", False):  # a sampler process runs it beside its sampler
-            return await sampler.episode(seed, group, index, greedy)
         env = make_env(self.cfg.env, self.cfg.env_args)
         if self.server:
             return await _env_call(self.server.episode(env, sampler, seed, group, index, greedy))
