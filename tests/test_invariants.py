@@ -19,6 +19,7 @@ from molt_engine.episode import Episode, _length_chunks, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig
 from molt_engine.sampler import Request, Sampler
+from molt_engine.serving.sampler_process import SamplerProcess
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 
@@ -199,6 +200,22 @@ def test_a_sampler_process_only_decodes_and_the_envs_episodes_run_in_the_loops_p
     assert summary["status"] == "completed" and summary["step"] == 3 and summary["env_errors"] > 0
     assert len(pids) > 0 and set(pids) == {os.getpid()}
     assert not multiprocessing.active_children()
+
+
+def test_a_published_version_crosses_to_a_sampler_process_as_one_buffer_per_dtype():
+    """Each storage crosses the pipe as a file descriptor of its own: the weights go as views of one buffer per dtype,
+    equal to what was published (a transposed tensor and an integer buffer included)."""
+    sent = []
+    parent = type("Parent", (), {"send": lambda self, *message: sent.append(message)})()
+    weights = {"a": torch.randn(3, 4), "b": torch.randn(5), "steps": torch.arange(6).view(2, 3),
+               "c": torch.randn(2, 2).t()}
+    SamplerProcess.publish(parent, weights, 7)
+    (kind, views, version), = sent
+    assert kind == "publish" and version == 7 and views.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(views[name], tensor) and views[name].dtype == tensor.dtype
+    buffers = {(views[name].dtype, views[name].untyped_storage().data_ptr()) for name in weights}
+    assert len(buffers) == 2 and {dtype for dtype, _ in buffers} == {torch.float32, torch.int64}  # were 4 storages
 
 
 def test_a_dead_sampler_process_fails_the_run_naming_it():

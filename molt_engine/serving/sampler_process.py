@@ -31,7 +31,7 @@ class SamplerProcess:
         self.process.start()
         requests.close()  # the child's ends: once it exits, reading ours raises EOFError instead of waiting forever
         results.close()
-        self.keys, self.waiting = itertools.count(), {}  # request key -> (its Request or None, its future)
+        self.keys, self.waiting = itertools.count(), {}  # request key -> (its Request, its future)
         self.stats = {"steps": 0, "rows": 0, "busy_s": 0.0, "idle_s": 0.0, "tokens": 0}
 
     def publish(self, state_dict, version: int):
@@ -41,7 +41,8 @@ class SamplerProcess:
         views = {}
         for dtype in {tensor.dtype for tensor in state_dict.values()}:
             same = {name: tensor for name, tensor in state_dict.items() if tensor.dtype == dtype}
-            parts = torch.cat([tensor.reshape(-1) for tensor in same.values()]).split([t.numel() for t in same.values()])
+            flat = torch.cat([tensor.reshape(-1) for tensor in same.values()])
+            parts = flat.split([tensor.numel() for tensor in same.values()])
             views |= {name: part.view(tensor.shape) for (name, tensor), part in zip(same.items(), parts)}
         self.send("publish", views, version)
 
