@@ -132,6 +132,21 @@ def test_the_soak_puts_a_hang_down_to_the_long_hang_that_followed_a_short_one_on
     assert recorded(q, short, [short]) is None
 
 
+
+def test_the_soak_puts_a_rank_kill_down_to_the_checkpoint_drill_that_was_already_ending_its_attempt():
+    """A CI soak's verdict bug: a rank killed at step 15 of a run whose checkpoint drill fails step 15. torchrun was
+    already ending the ranks for rank 0's OSError, so the attempt's cause is the drill's, and the kill was taken for
+    one that left no record."""
+    recorded = runpy.run_path(str(ROOT / "bench" / "chaos.py"))["recorded"]
+    cause = "rank 0 (pid 30335) exit code 1: OSError: [Errno 28] No space left on device (drill: drills.full_disk_at)"
+    q = lambda sql, *args: [(3, cause, 1004.0)]  # noqa: E731  (the attempt whose pid is the worker)
+    kill = {"kind": "rank_kill", "time": 1000.0, "target": {"run": 8, "worker": 42, "step": 15, "rank_pid": 43}}
+    drill = {"kind": "full_disk_checkpoint", "time": 900.0, "target": {"run": 8, "step": 15}, "via": "drills"}
+    assert recorded(q, kill, [drill, kill]) == f"attempt 3: already ending: {cause[:120]}"
+    # another run's drill, or this run's at a later step, does not explain the same end: the kill left no record
+    assert recorded(q, kill, [{**drill, "target": {"run": 9, "step": 15}}, kill]) is None
+    assert recorded(q, kill, [{**drill, "target": {"run": 8, "step": 30}}, kill]) is None
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_a_three_minute_chaos_soak_loses_nothing(tmp_path):
