@@ -420,9 +420,8 @@ def recorded(q, f: dict, faults: list[dict]) -> str | None:
             hits = [f"attempt {n}: {c}" for n, c, _ in rows if c and ("adopted" in c or c.startswith("lost"))]
         # the run's checkpoint drill at this step had already failed the attempt (torchrun was ending its ranks) when
         # the kill landed: the attempt's end is that drill's, rightly, and the kill had nothing left to end
-        drilled = any(g["kind"] == "full_disk_checkpoint" and g["target"]["run"] == run_id
-                      and 0 <= g["target"]["step"] - target["step"] <= 2 for g in faults)
-        if not hits and drilled:
+        if not hits and any(g["kind"] == "full_disk_checkpoint" and g["target"]["run"] == run_id
+                            and 0 <= g["target"]["step"] - target["step"] <= 2 for g in faults):
             hits = [f"attempt {n}: already ending: {c[:120]}" for n, c, _ in rows if c and "No space left" in c]
         return hits[0] if hits else None
     if kind == "disk_full":

@@ -132,7 +132,6 @@ def test_the_soak_puts_a_hang_down_to_the_long_hang_that_followed_a_short_one_on
     assert recorded(q, short, [short]) is None
 
 
-
 def test_the_soak_puts_a_rank_kill_down_to_the_checkpoint_drill_that_was_already_ending_its_attempt():
     """A CI soak's verdict bug: a rank killed at step 15 of a run whose checkpoint drill fails step 15. torchrun was
     already ending the ranks for rank 0's OSError, so the attempt's cause is the drill's, and the kill was taken for
@@ -146,6 +145,7 @@ def test_the_soak_puts_a_rank_kill_down_to_the_checkpoint_drill_that_was_already
     # another run's drill, or this run's at a later step, does not explain the same end: the kill left no record
     assert recorded(q, kill, [{**drill, "target": {"run": 9, "step": 15}}, kill]) is None
     assert recorded(q, kill, [{**drill, "target": {"run": 8, "step": 30}}, kill]) is None
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
