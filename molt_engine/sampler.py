@@ -108,9 +108,9 @@ class Sampler:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """One decode step: swap weights if published, decode one token for every cache row, prefill joining requests,
-        then regroup the rows. Returns the finished requests. Cancelled requests leave first: their rows, and the KV
-        budget they held, are free for this step."""
+        """One decode step: swap weights if published, decode one token for every cache row, prefill joining requests
+        (while rows decode, at every 4th step), then regroup the rows. Returns the finished requests. Cancelled
+        requests leave first: their rows, and the KV budget they held, are free for this step."""
         if any(r.cancelled for r in self.active):
             self._regroup([r for r in self.active if not r.cancelled])
         if self.new_weights is not None:
@@ -125,6 +125,10 @@ class Sampler:
                 self.cache.batch_select_indices(row)
                 self.mask = mask[row]
         joining, self.pending = self._admit()
+        # While rows decode, requests join at every 4th step only: a join (its prefill, and the merge into the cache)
+        # costs about two decode steps whatever its size, so fewer, larger joins leave more of the sampler to decoding.
+        if self.active and self.stats["steps"] % 4:
+            joining, self.pending = [], joining + self.pending
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,

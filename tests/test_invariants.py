@@ -373,6 +373,14 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch, registered):
     assert 0 not in trained_groups
 
 
+def full_forward_logprobs(model, req: Request) -> torch.Tensor:
+    """The log-probs of `req`'s sampled tokens in one forward of `model` over its whole sequence."""
+    ids = torch.tensor([req.context + req.ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    return logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
+
+
 def run_with_swap_after_3_steps(sampler, reqs, new):
     """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps."""
     sampler.pending += reqs
@@ -410,10 +418,7 @@ def test_weight_swap_mid_generation_tags_versions():
         assert req.versions == [0] * min(3, n) + [1] * (n - 3)
         # Each token's recorded log-prob is that of the weights it is tagged with.
         for version, model in [(0, old), (1, new)]:
-            ids = torch.tensor([req.context + req.ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-            full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
+            full = full_forward_logprobs(model, req)
             for i, v in enumerate(req.versions):
                 if v == version:
                     assert abs(float(full[i]) - req.logprobs[i]) <= 1e-5
@@ -478,11 +483,7 @@ def test_a_next_turn_prefills_only_its_new_tokens_and_its_logprobs_stay_exact():
     third, = turn(second.context + second.ids + encode("=1\n"))
     assert rows[0] == (1, len(third.context)) and third.versions == [1] * 4
     for req, model in [(first, old), (second, old), (fresh, old), (third, new)]:
-        ids = torch.tensor([req.context + req.ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-        full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
-        assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
+        assert (full_forward_logprobs(model, req) - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
 def test_decode_steps_write_into_the_caches_room_and_their_logprobs_stay_exact():
@@ -501,11 +502,7 @@ def test_decode_steps_write_into_the_caches_room_and_their_logprobs_stay_exact()
             assert layer.keys.data_ptr() == layer.room[0].data_ptr(), "the keys are the front of the layer's room"
             rooms += [] if any(layer.room[0] is r for r in rooms) else [layer.room[0]]
     assert len(req.ids) == 40 and len(rooms) == 2 * model.config.num_hidden_layers
-    ids = torch.tensor([req.context + req.ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-    full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
-    assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
+    assert (full_forward_logprobs(model, req) - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
 def test_rows_regrouped_or_joined_go_straight_into_new_room_and_every_logprob_stays_exact():
@@ -531,11 +528,43 @@ def test_rows_regrouped_or_joined_go_straight_into_new_room_and_every_logprob_st
             assert layer.values.data_ptr() == layer.room[1].data_ptr(), f"step {step}: values outside the room"
     assert [len(r.ids) for r in reqs] == [8, 20, 12] and max(rows) == 3 and rows[-1] == 0, rows
     for req in reqs:
-        ids = torch.tensor([req.context + req.ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-        full = logp[torch.arange(len(req.context) - 1, ids.shape[1] - 1), ids[0, len(req.context):]]
-        assert (full - torch.tensor(req.logprobs)).abs().max() <= 1e-5
+        assert (full_forward_logprobs(model, req) - torch.tensor(req.logprobs)).abs().max() <= 1e-5
+
+
+def test_requests_join_decoding_rows_at_every_fourth_step_in_one_prefill_and_at_once_when_none_decode():
+    """A join (its prefill and the merge into the cache) costs about two decode steps whatever its size: while rows
+    decode, requests wait for the sampler's next 4th step and join together; with no row decoding, a request joins at
+    the step it arrives. Every log-prob stays that of one full forward."""
+    tok = char_tokenizer()
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    sampler = Sampler(copy.deepcopy(model), [], tok.pad_token_id, temperature=1.0)  # no stop ids: max_tokens each
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    prefills = []  # the forwards of more than one position: the joins'
+    sampler.model.model.register_forward_pre_hook(
+        lambda m, args, kw: prefills.append(len(kw["input_ids"])) if kw["input_ids"].shape[1] > 1 else None,
+        with_kwargs=True)
+    first, alone = Request(encode("3 1 4="), 9, False, 1), Request(encode("5="), 3, False, 4)
+    late = [Request(encode("2 7="), 6, False, 2), Request(encode("1 8 2 8="), 6, False, 3)]
+    sampler.pending.append(first)
+    sampler.step()  # step 0
+    sampler.pending.append(late[0])
+    sampler.step()  # step 1: it waits
+    sampler.pending.append(late[1])
+    sampler.step()
+    sampler.step()  # steps 2 and 3: both wait
+    assert len(first.ids) == 4 and [len(r.ids) for r in late] == [0, 0] and prefills == [1]
+    sampler.step()  # step 4: both join, in one prefill of two rows
+    assert [len(r.ids) for r in late] == [1, 1] and prefills == [1, 2]
+    while sampler.active:
+        sampler.step()
+    assert sampler.stats["steps"] % 4 and [len(r.ids) for r in [first, *late]] == [9, 6, 6]
+    sampler.pending.append(alone)
+    sampler.step()  # not a 4th step, but nothing decodes: it joins at once
+    assert len(alone.ids) == 1 and prefills == [1, 2, 1]
+    while sampler.active:
+        sampler.step()
+    for req in [first, *late, alone]:
+        assert (full_forward_logprobs(model, req) - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
 def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
