@@ -19,9 +19,11 @@ check failed. ok null = skipped, with the reason in "skipped" (the CUDA-only che
   oom            a real out-of-memory: GPU memory capped (set_per_process_memory_fraction) between what the whole
                  batch and a micro-batch need; train_step_fitting splits the step; its weights vs a step run at the
                  micro-batch size that fit (SGD, lr 1: the weight change is the gradient)
+  multiturn      calculator (multi-turn tool use) at max_staleness 2, the sampler in the loop's process, then in its
+                 own (loop.sampler_process: published weights cross as CUDA IPC handles); completions/s, staleness_max
   machine_panel  the runs page's GPU numbers (nvidia-ml-py: utilisation, memory), read every 0.5 s during the run
 
-On the GPU machine (an H200: offline, Python 3.12, torch 2.11, transformers 5.17), about 5 minutes. The engine needs
+On the GPU machine (an H200: offline, Python 3.12, torch 2.11, transformers 5.17), 201 s on 2026-12-04. The engine needs
 transformers 5.24 (models take and return `cache`; 5.17 to 5.23 call it past_key_values), and its imports need
 pydantic, openai, httpx, uvicorn and fastapi beyond the image's packages (molt_engine/__init__ and the rollout import
 serving/, whose server never starts here; datasets and math-verify load only with the dataset env). Fetch them here
@@ -47,6 +49,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from traceback import extract_tb
 
 import torch
 import transformers
@@ -63,9 +66,9 @@ from molt_engine.update import train_step, train_step_fitting  # noqa: E402
 
 # Qwen2.5-0.5B's published shape, and a toy one that keeps its proportions (grouped KV heads, tied embeddings).
 FULL = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151_936, prompt=256, new=256,
-            requests=(64, 256), micro=8, learn_steps=100, budget_s=45)
+            requests=(64, 256), micro=8, learn_steps=100, budget_s=45, multiturn_steps=30)
 TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=2048, prompt=24, new=24,
-            requests=(8, 16), micro=4, learn_steps=20, budget_s=45)
+            requests=(8, 16), micro=4, learn_steps=20, budget_s=45, multiturn_steps=3)
 GROUP = 8  # episodes per prompt in the update (GRPO groups)
 
 
@@ -85,7 +88,7 @@ class Watch(NullSink):
     the run at the first eval >= 0.9 after RL began (GPU time is scarce)."""
 
     def __init__(self, stop):
-        self.stop, self.t0, self.evals, self.rates, self.mismatch = stop, time.perf_counter(), {}, [], []
+        self.stop, self.t0, self.evals, self.steps = stop, time.perf_counter(), {}, []  # steps: each step's metrics
 
     def metrics(self, step, values):
         if "eval_reward" in values:
@@ -93,8 +96,10 @@ class Watch(NullSink):
             if step > 0 and values["eval_reward"] >= 0.9:
                 self.stop()
         if "samples_per_s" in values:
-            self.rates.append(values["samples_per_s"])
-            self.mismatch.append(values["mismatch_kl"])
+            self.steps.append(values)
+
+    def median(self, name: str) -> float:
+        return statistics.median(values[name] for values in self.steps)
 
 
 def check_learn(args, s):
@@ -111,8 +116,31 @@ def check_learn(args, s):
     return {"ok": summary["status"] in ("completed", "stopped") and (best > first if args.tiny else bool(reached)),
             "steps": summary["step"], "eval_reward": rewards, "eval_best": best,
             "steps_to_0.9": reached[0][0] if reached else None, "seconds_to_0.9": reached[0][1] if reached else None,
-            "samples_per_s_median": statistics.median(watch.rates),
-            "mismatch_kl_median": statistics.median(watch.mismatch), "mismatch_kl_max": max(watch.mismatch)}
+            "samples_per_s_median": watch.median("samples_per_s"), "mismatch_kl_median": watch.median("mismatch_kl"),
+            "mismatch_kl_max": max(values["mismatch_kl"] for values in watch.steps)}
+
+
+def check_multiturn(args, s):
+    """calculator at max_staleness 2, the sampler in the loop's process and then in its own (loop.sampler_process:
+    published weights cross as CUDA IPC handles on a GPU, as shared memory on a CPU)."""
+    runs = {}
+    for process in (False, True):
+        cfg = RunConfig.model_validate({"env": "calculator", "seed": args.seed, "checkpoint": {"every": 0},
+                                        "model": {"device": args.device, "dtype": "bfloat16"},
+                                        "loop": {"steps": args.scale["multiturn_steps"], "max_staleness": 2,
+                                                 "sampler_process": process, "eval_every": 0}})
+        watch = Watch(lambda: None)
+        summary = asyncio.run(Training(cfg, watch).run())
+        runs["sampler_process" if process else "in_process"] = {
+            "status": summary["status"], "steps": len(watch.steps),
+            "completions_per_s_median": watch.median("samples_per_s"),
+            "reward_mean": statistics.mean(values["reward_mean"] for values in watch.steps),
+            "staleness_max": max(values["staleness_max"] for values in watch.steps),
+            "mismatch_kl_median": watch.median("mismatch_kl")}
+    return {"ok": all(r["status"] == "completed" and r["steps"] == args.scale["multiturn_steps"] and
+                      r["staleness_max"] <= 2 for r in runs.values()),
+            "process_vs_in_process": runs["sampler_process"]["completions_per_s_median"] /
+                                     runs["in_process"]["completions_per_s_median"], **runs}
 
 
 def check_sampler(args, s):
@@ -274,6 +302,7 @@ def check_oom(args, s):
     if device.type != "cuda":
         return {"ok": None, "skipped": "needs CUDA: torch.cuda.set_per_process_memory_fraction caps GPU memory only, "
                                        "and a CPU has no allocator limit to run into"}
+    device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device  # the cap needs one
     model, groups, cfg, published, need = s["model"], s["groups"], s["cfg"], s["published"], s["need_gb"]
     model.load_state_dict(published)
     torch.cuda.empty_cache()
@@ -286,6 +315,8 @@ def check_oom(args, s):
         sgd = torch.optim.SGD(model.parameters(), lr=1.0)
         (_, split, _, _), fitted = train_step_fitting(model, sgd, groups, breaker=Breaker(cfg.breaker),
                                                       micro_batch_size=None, **common)
+        # The step to compare with runs uncapped: `split` (a copy of the weights) now takes some of the room.
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
         model.load_state_dict(published)
         _, direct, _, _ = train_step(model, sgd, groups, breaker=Breaker(cfg.breaker), micro_batch_size=fitted,
                                      **common)
@@ -350,7 +381,8 @@ def peak_gb(device) -> float:
 
 
 CHECKS = {"setup": check_setup, "learn": check_learn, "sampler": check_sampler, "trainer": check_trainer,
-          "two_jobs": check_two_jobs, "oom": check_oom, "machine_panel": check_machine_panel}
+          "two_jobs": check_two_jobs, "oom": check_oom, "multiturn": check_multiturn,
+          "machine_panel": check_machine_panel}
 
 
 def main():
@@ -381,7 +413,8 @@ def main():
             try:
                 result = CHECKS[name](args, s)
             except Exception as e:  # the next check still runs
-                result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}",  # and where, for a one-shot GPU run
+                          "where": [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in extract_tb(e.__traceback__)]}
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             line = json.dumps({"check": name, **result, "seconds": round(time.perf_counter() - t0, 3)})

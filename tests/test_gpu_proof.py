@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ["setup", "learn", "sampler", "trainer", "two_jobs", "oom", "machine_panel"]
+CHECKS = ["setup", "learn", "sampler", "trainer", "two_jobs", "oom", "multiturn", "machine_panel"]
 
 
 @pytest.mark.slow
@@ -27,6 +27,12 @@ def test_the_gpu_proof_runs_every_check_at_toy_scale_on_the_cpu(tmp_path):
     assert learn["ok"] and 0 < learn["steps"] <= 20 and learn["samples_per_s_median"] > 0
     assert learn["eval_best"] > learn["eval_reward"]["0"]
     assert 0 < learn["mismatch_kl_median"] < 1e-3
+
+    multi = c["multiturn"]  # both placements of the sampler train the multi-turn env within the staleness bound
+    assert multi["ok"] and multi["process_vs_in_process"] > 0
+    for run in (multi["in_process"], multi["sampler_process"]):
+        assert run["status"] == "completed" and run["steps"] == 3 and 0 <= run["staleness_max"] <= 2
+        assert run["completions_per_s_median"] > 0 and run["mismatch_kl_median"] >= 0
 
     sampler = c["sampler"]
     assert sampler["ok"] and sampler["params"] > 0 and [b["requests"] for b in sampler["batches"]] == [8, 16]
