@@ -202,26 +202,6 @@ def test_a_sampler_process_only_decodes_and_the_envs_episodes_run_in_the_loops_p
     assert not multiprocessing.active_children()
 
 
-def test_a_sampler_process_has_a_core_of_its_own_and_the_loop_keeps_the_rest_until_the_run_ends():
-    cores, seen = os.sched_getaffinity(0), []
-
-    def affinities(pid) -> set[frozenset]:
-        return {frozenset(os.sched_getaffinity(int(thread))) for thread in os.listdir(f"/proc/{pid}/task")}
-
-    class Look(loop_mod.NullSink):
-        def metrics(self, step, values):  # mid-run: every thread of the child, and of this process
-            child, = multiprocessing.active_children()
-            seen.append((affinities(child.pid), affinities(os.getpid())))
-
-    summary = train({"env": "calculator", "loop": {**SMALL, "steps": 2, "max_staleness": 1, "sampler_process": True},
-                     "warm_start": {"steps": 0}}, Look())
-    assert summary["status"] == "completed" and len(seen) >= 2
-    last = max(cores)
-    expected = ({frozenset({last})}, {frozenset(cores - {last})}) if len(cores) > 1 else ({frozenset(cores)},) * 2
-    assert all(both == expected for both in seen), (cores, seen)
-    assert affinities(os.getpid()) == {frozenset(cores)}  # given back when the run ended
-
-
 def test_a_published_version_crosses_to_a_sampler_process_as_one_buffer_per_dtype():
     """Each storage crosses the pipe as a file descriptor of its own: the weights go as views of one buffer per dtype,
     equal to what was published (a transposed tensor and an integer buffer included)."""

@@ -1,10 +1,8 @@
 """The sampler in a process of its own (loop.sampler_process): its decode steps stop sharing one interpreter lock with
 the trainer and the episodes' Python, so that with max_staleness > 0 sampling and training keep two cores busy."""
 import asyncio
-import contextlib
 import copy
 import itertools
-import os
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,17 +26,9 @@ class SamplerProcess:
         context = mp.get_context("spawn")  # a fork would copy the trainer's threads' locks (OpenMP's) into the child
         self.results, results = context.Pipe(duplex=False)
         requests, self.requests = context.Pipe(duplex=False)
-        # The child gets a core of its own (a torchrun rank's child: one each) and this process keeps the rest until
-        # the run ends: on 2 cores, 1.05x the completions/s of leaving both processes' threads to the scheduler
-        # (docs/benchmarks.md, fifteenth pass).
-        self.cores = os.sched_getaffinity(0)
-        ranks, rank = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-        own = sorted(self.cores)[-1 - rank] if len(self.cores) > ranks else None
-        self.process = context.Process(target=_serve, args=(copy.deepcopy(model), kwargs, own, requests, results),
+        self.process = context.Process(target=_serve, args=(copy.deepcopy(model), kwargs, requests, results),
                                        daemon=True, name="molt-sampler")
         self.process.start()
-        if own is not None:
-            _pin(set(sorted(self.cores)[:-ranks]))
         requests.close()  # the child's ends: once it exits, reading ours raises EOFError instead of waiting forever
         results.close()
         self.keys, self.waiting = itertools.count(), {}  # request key -> (its Request, its future)
@@ -100,22 +90,11 @@ class SamplerProcess:
             if self.process.is_alive():  # the child answers "stop" as it leaves, which ends a read still waiting
                 self.send("stop")
             self.process.join()
-            _pin(self.cores)
 
 
-def _pin(cores: set[int]):
-    """Keep every thread of this process (those started later inherit it from their starter) on `cores`."""
-    for thread in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
-            os.sched_setaffinity(int(thread), cores)
-
-
-def _serve(model, kwargs: dict, core: int | None, requests, results):
-    """The child, on one intra-op thread (as the sampler's steps are in the parent: they are too small to split) and,
-    where it has one, on its own core."""
+def _serve(model, kwargs: dict, requests, results):
+    """The child, on one intra-op thread (as the sampler's steps are in the parent: they are too small to split)."""
     torch.set_num_threads(1)
-    if core is not None:
-        _pin({core})
     try:
         asyncio.run(_child(model, kwargs, requests, results))
     except Exception:
