@@ -98,8 +98,8 @@ class Watch(NullSink):
         if "samples_per_s" in values:
             self.steps.append(values)
 
-    def median(self, name: str) -> float:
-        return statistics.median(values[name] for values in self.steps)
+    def series(self, name: str) -> list[float]:
+        return [values[name] for values in self.steps]
 
 
 def check_learn(args, s):
@@ -116,8 +116,9 @@ def check_learn(args, s):
     return {"ok": summary["status"] in ("completed", "stopped") and (best > first if args.tiny else bool(reached)),
             "steps": summary["step"], "eval_reward": rewards, "eval_best": best,
             "steps_to_0.9": reached[0][0] if reached else None, "seconds_to_0.9": reached[0][1] if reached else None,
-            "samples_per_s_median": watch.median("samples_per_s"), "mismatch_kl_median": watch.median("mismatch_kl"),
-            "mismatch_kl_max": max(values["mismatch_kl"] for values in watch.steps)}
+            "samples_per_s_median": statistics.median(watch.series("samples_per_s")),
+            "mismatch_kl_median": statistics.median(watch.series("mismatch_kl")),
+            "mismatch_kl_max": max(watch.series("mismatch_kl"))}
 
 
 def check_multiturn(args, s):
@@ -133,10 +134,10 @@ def check_multiturn(args, s):
         summary = asyncio.run(Training(cfg, watch).run())
         runs["sampler_process" if process else "in_process"] = {
             "status": summary["status"], "steps": len(watch.steps),
-            "completions_per_s_median": watch.median("samples_per_s"),
-            "reward_mean": statistics.mean(values["reward_mean"] for values in watch.steps),
-            "staleness_max": max(values["staleness_max"] for values in watch.steps),
-            "mismatch_kl_median": watch.median("mismatch_kl")}
+            "completions_per_s_median": statistics.median(watch.series("samples_per_s")),
+            "reward_mean": statistics.mean(watch.series("reward_mean")),
+            "staleness_max": max(watch.series("staleness_max")),
+            "mismatch_kl_median": statistics.median(watch.series("mismatch_kl"))}
     return {"ok": all(r["status"] == "completed" and r["steps"] == args.scale["multiturn_steps"] and
                       r["staleness_max"] <= 2 for r in runs.values()),
             "process_vs_in_process": runs["sampler_process"]["completions_per_s_median"] /

@@ -124,11 +124,9 @@ class Sampler:
                 self.cache, mask, _, _, row = self._prefill(owners, [r.context + r.ids[:-1] for r in owners])
                 self.cache.batch_select_indices(row)
                 self.mask = mask[row]
-        joining, self.pending = self._admit()
         # While rows decode, requests join at every 4th step only: a join (its prefill, and the merge into the cache)
         # costs about two decode steps whatever its size, so fewer, larger joins leave more of the sampler to decoding.
-        if self.active and self.stats["steps"] % 4:
-            joining, self.pending = [], joining + self.pending
+        joining, self.pending = ([], self.pending) if self.active and self.stats["steps"] % 4 else self._admit()
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
