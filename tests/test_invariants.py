@@ -594,20 +594,47 @@ def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
     loop.close()
 
 
-def test_a_requests_samples_follow_its_seed_not_its_batch():
-    tok = char_tokenizer()
-    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
-    context = tok("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
+CONTEXT = char_tokenizer()("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
 
-    async def sample(seeds):
-        sampler = Sampler(model, [], tok.pad_token_id, temperature=1.0)
+
+def sample_in_process(seeds: list[int]) -> list[list[int]]:
+    """12 tokens an in-process Sampler gives requests of these seeds to CONTEXT, in one batch."""
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+
+    async def sample():
+        sampler = Sampler(model, [], char_tokenizer().pad_token_id, temperature=1.0)
         task = asyncio.create_task(sampler.run())
-        reqs = await asyncio.gather(*(sampler.generate(context, 12, seed=s) for s in seeds))
+        reqs = await asyncio.gather(*(sampler.generate(CONTEXT, 12, seed=s) for s in seeds))
         task.cancel()
         return [r.ids for r in reqs]
-    first, second, alone = asyncio.run(sample([5, 6])), asyncio.run(sample([6, 5])), asyncio.run(sample([6]))
+    return asyncio.run(sample())
+
+
+def test_a_requests_samples_follow_its_seed_not_its_batch():
+    first, second, alone = sample_in_process([5, 6]), sample_in_process([6, 5]), sample_in_process([6])
     assert first == second[::-1] and first[0] != first[1]  # a request's tokens follow its seed, not its batch
     assert alone == first[1:]
+
+
+def test_a_sampler_process_answers_as_the_sampler_does_and_stops_a_request_its_caller_gave_up():
+    """The child reads requests between its decode steps, on its one thread: it answers with the tokens the sampler
+    gives in process for the same seeds, stops decoding a request cancelled in flight, and answers the next one."""
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+
+    async def main():
+        sampler = SamplerProcess(model, stop_ids=[], pad_id=char_tokenizer().pad_token_id, temperature=1.0)
+        answers = asyncio.create_task(sampler.run())
+        given_up = asyncio.create_task(sampler.generate(CONTEXT, 480, seed=9))
+        first = await sampler.generate(CONTEXT, 12, seed=5)  # decoded beside the long one
+        given_up.cancel()
+        second = await sampler.generate(CONTEXT, 12, seed=6)
+        answers.cancel()
+        await asyncio.gather(answers, given_up, return_exceptions=True)
+        return [first.ids, second.ids], sampler.stats
+    ids, stats = asyncio.run(main())
+    assert ids == sample_in_process([5, 6])
+    assert stats["tokens"] < 12 + 12 + 240  # the cancelled request's 480 tokens were never all decoded
+    assert stats["busy_s"] > 0 and stats["steps"] >= 24 and not multiprocessing.active_children()
 
 
 def test_sampled_tokens_follow_the_softmax_and_never_take_a_token_of_probability_0():

@@ -3,8 +3,9 @@ the trainer and the episodes' Python, so that with max_staleness > 0 sampling an
 import asyncio
 import copy
 import itertools
+import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 import torch.multiprocessing as mp
@@ -93,52 +94,38 @@ class SamplerProcess:
 
 
 def _serve(model, kwargs: dict, requests, results):
-    """The child, on one intra-op thread (as the sampler's steps are in the parent: they are too small to split)."""
+    """The child: one thread, on one intra-op thread (the sampler's steps are too small to split), that reads the
+    parent's messages between decode steps and sends back the requests each step finished. Decode steps follow each
+    other on this thread without a hop through an event loop and a thread pool (docs/benchmarks.md, sixteenth pass)."""
     torch.set_num_threads(1)
+    sampler, waiting = Sampler(model, **kwargs), {}  # request key -> its Request
     try:
-        asyncio.run(_child(model, kwargs, requests, results))
+        while True:
+            t0, idle = time.perf_counter(), not (sampler.pending or sampler.active)
+            # Every message that has arrived; with nothing to decode, wait for the next one.
+            while requests.poll(0 if sampler.pending or sampler.active else None):
+                kind, *args = requests.recv()
+                if kind == "stop":
+                    results.send(("stopped", [], sampler.stats))
+                    return
+                if kind == "publish":
+                    sampler.publish(*args)
+                elif kind == "cancel" and args[0] in waiting:
+                    waiting.pop(args[0]).future.cancel()  # the parent no longer waits for it: it leaves the batch
+                elif kind == "generate":
+                    key, context, max_tokens, images, greedy, seed, top = args
+                    waiting[key] = Request(context, max_tokens, greedy, seed, images, Future(), top=top)
+                    sampler.pending.append(waiting[key])
+            if idle:
+                sampler.stats["idle_s"] += time.perf_counter() - t0
+                continue
+            finished = {id(req) for req in sampler.step()}
+            sampler.stats["busy_s"] += time.perf_counter() - t0
+            done = [(key, [getattr(req, name) for name in RESULTS]) for key, req in waiting.items()
+                    if id(req) in finished]
+            for key, _ in done:
+                del waiting[key]
+            if done:
+                results.send(("done", done, sampler.stats))
     except Exception:
         results.send(("error", traceback.format_exc(), None))
-
-
-async def _child(model, kwargs: dict, requests, results):
-    """Decode (Sampler.run, its steps on a thread) as the parent's messages ask; requests finished in one pass of the
-    event loop go back as one message."""
-    loop, sampler = asyncio.get_running_loop(), Sampler(model, **kwargs, executor=ThreadPoolExecutor(1, "molt-decode"))
-    tasks, outbox, stopped = {}, [], loop.create_future()  # key -> its task; (key, results) to send
-
-    def flush():
-        results.send(("done", outbox[:], sampler.stats))
-        outbox.clear()
-
-    async def answer(key, context, max_tokens, images, greedy, seed, top):
-        try:
-            req = await sampler.generate(context, max_tokens, images=images, greedy=greedy, seed=seed, top=top)
-        except asyncio.CancelledError:  # the parent no longer waits for it
-            return
-        finally:
-            tasks.pop(key, None)
-        if not outbox:
-            loop.call_soon(flush)
-        outbox.append((key, [getattr(req, name) for name in RESULTS]))
-
-    def read():
-        while requests.poll():
-            kind, *args = requests.recv()
-            if kind == "stop":
-                stopped.set_result(None)
-                return
-            if kind == "publish":
-                sampler.publish(*args)
-            elif kind == "cancel" and args[0] in tasks:
-                tasks[args[0]].cancel()
-            elif kind == "generate":
-                tasks[args[0]] = loop.create_task(answer(*args))
-
-    loop.add_reader(requests.fileno(), read)
-    decoding = loop.create_task(sampler.run())
-    await asyncio.wait([stopped, decoding], return_when=asyncio.FIRST_COMPLETED)
-    if decoding.done():
-        decoding.result()  # its error
-    decoding.cancel()
-    results.send(("stopped", [], sampler.stats))
