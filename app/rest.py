@@ -331,8 +331,8 @@ def samples(request: Request, run_id: RunId, filters: Annotated[dict, Depends(sa
             limit: Annotated[int, Query(ge=1, le=500)] = 50,
             cursor: Annotated[int | None, Query(ge=0, le=2**62, description="next_cursor of the previous page")] = None,
             order: Literal["oldest", "newest"] = "oldest"):
-    """Recorded episodes (each step's sample of its trained episodes, and each eval's), oldest or newest first, with
-    every token's numbers, and how many pass the filters in all."""
+    """Recorded episodes (each step's sample of its trained episodes, and each eval's), in the order recorded or the
+    newest step first, with every token's numbers, and how many pass the filters in all."""
     records = records_of(request)
     rows = found(records.samples, run_id, **filters, limit=limit, cursor=cursor, newest_first=order == "newest")
     return {"run_id": run_id, "samples": rows, "next_cursor": rows[-1]["id"] if len(rows) == limit else None,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import delete, func, select, text, tuple_
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
@@ -268,11 +268,13 @@ class Records:
 
     @staticmethod
     def sample_page(s: Session, query, limit: int, cursor: int | None = None, newest_first: bool = False):
-        """In the order recorded (or newest first), after `cursor`, the id of the last one already seen."""
-        if cursor is not None:
-            query = query.where(Sample.id < cursor if newest_first else Sample.id > cursor)
-        order = Sample.id.desc() if newest_first else Sample.id
-        return [_dict(r) for r in s.scalars(query.order_by(order).limit(limit))]
+        """In the order recorded, or newest step first (an eval may be recorded after later steps), after `cursor`."""
+        if cursor is not None:  # the id of the last one already seen
+            step = select(Sample.step).where(Sample.id == cursor).scalar_subquery()
+            after = tuple_(Sample.step, Sample.id) < tuple_(step, cursor) if newest_first else Sample.id > cursor
+            query = query.where(after)
+        order = (Sample.step.desc(), Sample.id.desc()) if newest_first else (Sample.id,)
+        return [_dict(r) for r in s.scalars(query.order_by(*order).limit(limit))]
 
     def count_samples(self, run_id: int, **filters) -> int:
         """How many recorded episodes pass the filters (`sample_query`)."""
@@ -284,8 +286,7 @@ class Records:
     def sample_query(run_id: int, step: int | None = None, kind: str | None = None, min_reward: float | None = None,
                      passed: bool | None = None, tool_errors: bool | None = None, q: str | None = None,
                      prompt: str | None = None):
-        """The run's episodes that pass the filters: `q` matches the episode's text (case-insensitive for ASCII),
-        `prompt` its prompt exactly."""
+        """The run's episodes that pass the filters: `q` matches the text (ASCII, any case), `prompt` exactly."""
         query = select(Sample).where(Sample.run_id == run_id)
         if step is not None:
             query = query.where(Sample.step == step)

@@ -126,8 +126,13 @@ def test_writing_the_same_samples_again_changes_nothing(recorded):
 
 
 def test_rest_filters_pages_and_exports_the_samples(recorded):
-    home, records, run_id, _ = recorded
+    home, records, run_id, sent = recorded
+    step, kind, recs = next((step, kind, recs) for step, kind, recs in sent if kind == "eval" and step == 4)
+    with records.engine.begin() as conn:  # an eval of step 4 recorded after step 8's episodes (evals run beside steps)
+        write_records(conn, run_id, 0, [{"t": "samples", "time": 1.0, "step": step, "kind": kind,
+                                         "records": [*recs, recs[0]], "keep": None}])
     rows = records.samples(run_id, limit=500)
+    assert rows[-1]["step"] == 4 and rows[-1]["position"] == len(recs)  # recorded last
     with web_thread(home, "samples-token") as (base, _app), \
             httpx.Client(base_url=base, headers={"Authorization": "Bearer samples-token"}) as client:
         url = f"/api/v1/runs/{run_id}/samples"
@@ -161,7 +166,9 @@ def test_rest_filters_pages_and_exports_the_samples(recorded):
                 cursor = page["next_cursor"]
                 if cursor is None:
                     break
-            assert seen == [r["id"] for r in (rows if order == "oldest" else rows[::-1])]
+            # newest first is the newest step first, then the newest recorded: the late eval among step 4's
+            newest = sorted(rows, key=lambda r: (r["step"], r["id"]), reverse=True)
+            assert seen == [r["id"] for r in (rows if order == "oldest" else newest)]
         assert client.get(url, params={"kind": "eval"}).json()["total"] == len(evals)
         export = client.get(f"/api/v1/runs/{run_id}/samples.jsonl", params={"kind": "train"})
         assert export.headers["content-type"].startswith("application/x-ndjson")
