@@ -112,7 +112,7 @@ def _serve(model, kwargs: dict, requests, results):
                     sampler.publish(*args)
                 elif kind == "cancel" and args[0] in waiting:
                     waiting.pop(args[0]).future.cancel()  # the parent no longer waits for it: it leaves the batch
-                elif kind == "generate":
+                elif kind == "generate":  # a plain Future: only a flag for Request.cancelled, set by a "cancel"
                     key, context, max_tokens, images, greedy, seed, top = args
                     waiting[key] = Request(context, max_tokens, greedy, seed, images, Future(), top=top)
                     sampler.pending.append(waiting[key])
