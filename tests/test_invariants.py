@@ -597,10 +597,8 @@ def test_a_cancelled_request_stops_at_once_and_frees_its_kv_budget():
 CONTEXT = char_tokenizer()("3 1 4 1 5=", add_special_tokens=False)["input_ids"]
 
 
-def sample_in_process(seeds: list[int]) -> list[list[int]]:
+def sample_in_process(model, seeds: list[int]) -> list[list[int]]:
     """12 tokens an in-process Sampler gives requests of these seeds to CONTEXT, in one batch."""
-    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
-
     async def sample():
         sampler = Sampler(model, [], char_tokenizer().pad_token_id, temperature=1.0)
         task = asyncio.create_task(sampler.run())
@@ -611,7 +609,8 @@ def sample_in_process(seeds: list[int]) -> list[list[int]]:
 
 
 def test_a_requests_samples_follow_its_seed_not_its_batch():
-    first, second, alone = sample_in_process([5, 6]), sample_in_process([6, 5]), sample_in_process([6])
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    first, second, alone = (sample_in_process(model, seeds) for seeds in ([5, 6], [6, 5], [6]))
     assert first == second[::-1] and first[0] != first[1]  # a request's tokens follow its seed, not its batch
     assert alone == first[1:]
 
@@ -632,7 +631,7 @@ def test_a_sampler_process_answers_as_the_sampler_does_and_stops_a_request_its_c
         await asyncio.gather(answers, given_up, return_exceptions=True)
         return [first.ids, second.ids], sampler.stats
     ids, stats = asyncio.run(main())
-    assert ids == sample_in_process([5, 6])
+    assert ids == sample_in_process(model, [5, 6])
     assert stats["tokens"] < 12 + 12 + 240  # the cancelled request's 480 tokens were never all decoded
     assert stats["busy_s"] > 0 and stats["steps"] >= 24 and not multiprocessing.active_children()
 
