@@ -54,6 +54,11 @@ class Request:
 
 
 class Sampler:
+    # A published version waits up to this many decode steps for the active rows to end their turns (their tokens keep
+    # the version that computed them) before the rest are recomputed: a swap into an empty cache recomputes nothing
+    # (docs/benchmarks.md, eighteenth pass).
+    swap_wait = 12
+
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
                  kv_budget_gb: float | None = None, executor=None):
         self.model, self.device, self.routers = model.eval(), next(model.parameters()).device, routers(model)
@@ -64,7 +69,7 @@ class Sampler:
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
-        self.pad_id, self.temperature, self.version = pad_id, temperature, version
+        self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
         self.active: list[Request] = []    # in generation, each on a row of the cache
         self.cache = None                  # RoomyLayers, one row per distinct sequence of the active requests, left-padded
@@ -108,13 +113,15 @@ class Sampler:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """One decode step: swap weights if published, decode one token for every cache row, prefill joining requests
-        (while rows decode, at every 4th step), then regroup the rows. Returns the finished requests. Cancelled
-        requests leave first: their rows, and the KV budget they held, are free for this step."""
+        """One decode step: swap weights if published (once the active rows ended their turns, or `swap_wait` steps
+        on), decode one token for every cache row, prefill joining requests (while rows decode, at every 4th step and
+        never while a swap waits), then regroup the rows. Returns the finished requests. Cancelled requests leave
+        first: their rows, and the KV budget they held, are free for this step."""
         if any(r.cancelled for r in self.active):
             self._regroup([r for r in self.active if not r.cancelled])
-        if self.new_weights is not None:
-            (state_dict, self.version), self.new_weights = self.new_weights, None
+        self.waited += self.new_weights is not None
+        if self.new_weights is not None and (not self.active or self.waited > self.swap_wait):
+            (state_dict, self.version), self.new_weights, self.waited = self.new_weights, None, 0
             self.model.load_state_dict(state_dict)
             self.parked.clear()
             if self.active:
@@ -126,7 +133,8 @@ class Sampler:
                 self.mask = mask[row]
         # While rows decode, requests join at every 4th step only: a join (its prefill, and the merge into the cache)
         # costs about two decode steps whatever its size, so fewer, larger joins leave more of the sampler to decoding.
-        joining, self.pending = ([], self.pending) if self.active and self.stats["steps"] % 4 else self._admit()
+        # While a swap waits they do not join at all: the cache then empties sooner, and they join the new version.
+        joining, self.pending = ([], self.pending) if self.active and (self.stats["steps"] % 4 or self.new_weights) else self._admit()
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,

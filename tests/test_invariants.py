@@ -382,8 +382,10 @@ def full_forward_logprobs(model, req: Request) -> torch.Tensor:
 
 
 def run_with_swap_after_3_steps(sampler, reqs, new):
-    """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps."""
+    """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps and, the rows still
+    active 2 steps later (swap_wait), swapped in: their 6th token is the first of version 1."""
     sampler.pending += reqs
+    sampler.swap_wait = 2
     for _ in range(3):
         sampler.step()
     sampler.publish(new.state_dict(), 1)
@@ -414,8 +416,8 @@ def test_weight_swap_mid_generation_tags_versions():
     assert max(n for n, _ in rows[1:]) <= 4 and rows[1][1] == 1  # decode steps: never a row per request
     for req in reqs:
         n = len(req.ids)
-        assert n > 3  # the swap really happened mid-generation
-        assert req.versions == [0] * min(3, n) + [1] * (n - 3)
+        assert n > 5  # the swap really happened mid-generation
+        assert req.versions == [0] * 5 + [1] * (n - 5)
         # Each token's recorded log-prob is that of the weights it is tagged with.
         for version, model in [(0, old), (1, new)]:
             full = full_forward_logprobs(model, req)
@@ -440,8 +442,8 @@ def test_weight_swap_mid_generation_reprefills_with_images():
     run_with_swap_after_3_steps(sampler, reqs, new)
     episodes = []
     for req in reqs:
-        assert len(req.ids) > 3  # the swap really happened mid-generation
-        assert req.versions == [0] * 3 + [1] * (len(req.ids) - 3)
+        assert len(req.ids) > 5  # the swap really happened mid-generation
+        assert req.versions == [0] * 5 + [1] * (len(req.ids) - 5)
         ep = Episode(seed=0, group=0, images=req.images)
         ep.extend(req.context)
         ep.extend(req.ids, action=True, logprobs=req.logprobs, versions=req.versions)
@@ -452,6 +454,37 @@ def test_weight_swap_mid_generation_reprefills_with_images():
             logp = token_logprobs(model.eval(), batch, 1.0)
         tagged = batch["action_mask"] & (batch["versions"] == version)
         assert tagged.sum() >= 2 and (logp[tagged] - batch["behav_logp"][tagged]).abs().max() <= 1e-5
+
+
+def test_a_published_version_waits_for_the_active_turns_to_end_and_then_recomputes_nothing():
+    """A version published mid-turn waits (up to swap_wait decode steps) for the active rows to end their turns: their
+    tokens keep the old version, and a request submitted meanwhile waits too, then joins the new one. The swap finds
+    the cache empty, so no forward recomputes a row; every recorded log-prob is that of its tagged version."""
+    tok = char_tokenizer()
+    old, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    new, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=2)
+    sampler = Sampler(copy.deepcopy(old), [], tok.pad_token_id, temperature=1.0)  # no stop ids: max_tokens a reply
+    rows = []
+    sampler.model.model.register_forward_pre_hook(lambda m, args, kw: rows.append(tuple(kw["input_ids"].shape)),
+                                                  with_kwargs=True)
+    first = [Request(tok("3 1 4=", add_special_tokens=False)["input_ids"], 6, False, seed) for seed in (0, 1)]
+    later = Request(tok("2 7=", add_special_tokens=False)["input_ids"], 4, False, 2)
+    sampler.pending += first
+    for _ in range(3):
+        sampler.step()
+    sampler.publish(new.state_dict(), 1)
+    sampler.pending.append(later)
+    rows.clear()
+    while sampler.pending or sampler.active:
+        sampler.step()
+    assert sampler.swap_wait >= 3 and sampler.version == 1
+    assert [r.versions for r in first] == [[0] * 6] * 2 and later.versions == [1] * 4
+    # Three decode steps end the first turns (at most 2 rows, 1 position each), then `later` prefills alone: no
+    # forward ran the first requests' contexts again.
+    assert all(n <= 2 and width == 1 for n, width in rows[:3]) and rows[3] == (1, len(later.context))
+    assert all(n == 1 for n, _ in rows[3:])
+    for req, model in [(first[0], old), (first[1], old), (later, new)]:
+        assert (full_forward_logprobs(model, req) - torch.tensor(req.logprobs)).abs().max() <= 1e-5
 
 
 def test_a_next_turn_prefills_only_its_new_tokens_and_its_logprobs_stay_exact():
