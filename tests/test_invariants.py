@@ -382,8 +382,8 @@ def full_forward_logprobs(model, req: Request) -> torch.Tensor:
 
 
 def run_with_swap_after_3_steps(sampler, reqs, new):
-    """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps and, the rows still
-    active 2 steps later (swap_wait), swapped in: their 6th token is the first of version 1."""
+    """Generate `reqs` to the end; version 1 (`new`'s weights) is published after 3 decode steps and swapped in 2
+    steps later (swap_wait 2), recomputing the rows still active: their 6th token is the first of version 1."""
     sampler.pending += reqs
     sampler.swap_wait = 2
     for _ in range(3):
