@@ -4,8 +4,9 @@
 # same warm-started weights at max_staleness 0 and 2, and at 2 with loop.sampler_process. Every run reports
 # completions/s and CPU cores busy (steady state: from the first step's report to the last), time and steps until the
 # 10-step moving average of the training reward reaches --threshold (from the start), and the last-10 reward.
+# Every run also scores its final weights: the mean reward of episodes sampled on held-out prompts (final_reward).
 # The report ends with each of our settings across seeds: the median and lowest ratio to TRL's completions/s, and the
-# mean and standard error of our last-10 reward minus TRL's.
+# mean and standard error of our last-10 and final weights' rewards minus TRL's.
 #
 #     python bench/trl_multiturn.py --quick                        # smoke: bridge check, 2 steps per run, seed 0
 #     python bench/trl_multiturn.py --check                        # only the bridge check (one TRL step)
@@ -17,7 +18,8 @@
 # tokens of the template's rendering of it (= our encode(observation): the policy's tokenizer is one token per
 # character); each turn capped at the env's 12 tokens (generation_kwargs), the whole completion never truncated.
 # --check replays TRL's first generation batch through our Rollout with a sampler that returns TRL's sampled ids,
-# and compares the token ids, the trained-token mask and the reward of every episode.
+# and compares the token ids, the trained-token mask and the reward of every episode; then it trains our engine's
+# first step on those episodes, from the same weights, and compares its gradient with the one TRL stepped on.
 #
 # Differences the bridge cannot remove (also printed under the table):
 # - A third reply that calls the tool: our env runs the call (sleeping its latency) and our record ends with the
@@ -46,22 +48,28 @@ import torch
 import transformers
 
 import trl_vs_molt
+from molt_engine.breaker import Breaker
 from molt_engine.chat import stop_ids
 from molt_engine.config import ModelConfig, RunConfig
-from molt_engine.envs import _OPS, _TOOL_CALL, Calculator, make_env
+from molt_engine.envs import _OPS, _TOOL_CALL, EVAL_SEEDS, Calculator, make_env
 from molt_engine.models import load_policy
 from molt_engine.rollout import Rollout
+from molt_engine.sampler import Sampler
+from molt_engine.update import train_step
 from trl_vs_molt import (CALCULATOR_WARM_START, CLIP_HIGH, CLIP_LOW, GROUP_SIZE, LATENCY, MAX_GRAD_NORM, PART2_LR,
                          PROMPTS_PER_STEP, SAMPLES_PER_STEP, TEMPERATURE, Timeline, Timing, _trl_version, fmt_ratio,
                          fmt_time, isolated, log, run_ours, train_seeds, warm_started_policy)
 
 MAX_TURNS, TURN_TOKENS = Calculator.max_turns, Calculator.max_tokens
-# Our settings: (max_staleness, loop.sampler_process). On-policy the sampler and the trainer take turns, so a sampler
-# process has nothing to overlap there.
-OURS = [(0, False), (2, False), (2, True)]
+# Our settings by --ours name: (max_staleness, loop.sampler_process). On-policy the sampler and the trainer take
+# turns, so a sampler process has nothing to overlap there.
+OURS = {"0": (0, False), "2": (2, False), "2-process": (2, True)}
 # TRL's budget is for the whole completion (replies and tool results): 3 replies of 12 tokens and 2 results of at most
 # "=-99999\n" never reach it, so TRL never truncates an episode that ours would keep.
 MAX_COMPLETION = MAX_TURNS * TURN_TOKENS + (MAX_TURNS - 1) * 16
+# The final weights' reward: GROUP_SIZE episodes on each of this many held-out prompts, sampled at the training
+# temperature.
+FINAL_PROMPTS = 256
 
 # Renders every message's content as it is; an assistant turn ends with <eos>, as our sampled replies do. The tool
 # calls are written only for a reply without content (TRL's supports_tool_calling probe): ours always has content.
@@ -134,7 +142,10 @@ async def env_reward(completions, seed, **_):
     return await asyncio.gather(*(replay_reward(c, s) for c, s in zip(completions, seed)))
 
 
-def make_trl_trainer(model_dir: str, seed: int, steps: int, latency: bool, out_dir: str, callbacks: list):
+def make_trl_trainer(model_dir: str, seed: int, steps: int, latency: bool, out_dir: str, callbacks: list,
+                     seed_offset: int = 0):
+    """TRL's trainer on the seed's prompts and warm start; `seed_offset` moves only its random stream (TRL seeds
+    torch with it, so its samples change and nothing else does)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
@@ -163,7 +174,7 @@ def make_trl_trainer(model_dir: str, seed: int, steps: int, latency: bool, out_d
             return out
 
     args = GRPOConfig(
-        output_dir=out_dir, use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, seed=seed,
+        output_dir=out_dir, use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, seed=seed + seed_offset,
         max_steps=steps, logging_steps=1, save_strategy="no", eval_strategy="no",
         # One optimizer step = one generation batch = 16 prompts x 8 completions, as ours.
         num_generations=GROUP_SIZE, per_device_train_batch_size=SAMPLES_PER_STEP,
@@ -230,21 +241,54 @@ def _setup_and_run(threshold: float, run, *args):
     return run(*args)
 
 
+class FirstGradient(transformers.TrainerCallback):
+    """Keeps TRL's first optimizer step's gradient (after clipping: the optimizer's input) and its logged norm."""
+
+    grads, norm = None, None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.norm is None and "grad_norm" in logs:
+            self.norm = logs["grad_norm"]
+
+
+def final_reward(model, tokenizer, seed: int) -> float:
+    """The trained weights' mean reward, sampled by our Rollout and Sampler on held-out prompts (not timed). A run's
+    training reward is that of the versions that sampled its batches, which lag the weights by the staleness; this
+    scores the weights after the last step. The episodes' random numbers depend on the run's seed, the prompt and the
+    episode's index only (Sampler._sample), so TRL's weights and ours of one seed are scored on the same numbers."""
+    stops = stop_ids(tokenizer, model.generation_config)
+    rollout = Rollout(RunConfig.model_validate({"env": "calculator", "seed": seed}), tokenizer, 512, stops)
+    sampler = Sampler(model, stops, tokenizer.pad_token_id, TEMPERATURE)
+
+    async def sample():
+        running = asyncio.create_task(sampler.run())
+        episodes = await asyncio.gather(*(rollout.episode(sampler, EVAL_SEEDS + i, i, j)
+                                          for i in range(FINAL_PROMPTS) for j in range(GROUP_SIZE)))
+        running.cancel()
+        return [e.reward for group in episodes for e in group]
+    return statistics.mean(asyncio.run(sample()))
+
+
 def run_trl(model_dir: str, seed: int, steps: int, max_seconds: float, threads: int, latency: bool,
-            check: bool = False) -> dict:
-    timeline = CpuTimeline(max_seconds)
+            check: bool = False, seed_offset: int = 0) -> dict:
+    timeline, first = CpuTimeline(max_seconds), FirstGradient()
     with tempfile.TemporaryDirectory() as out:
-        trainer = make_trl_trainer(model_dir, seed, steps, latency, out, [Timing(timeline, threads)])
+        trainer = make_trl_trainer(model_dir, seed, steps, latency, out, [Timing(timeline, threads), first],
+                                   seed_offset)
         torch.set_num_threads(threads)
         trainer.train()
     if check:
-        check_bridge(trainer, seed, steps)
-    return timeline.summary()
+        episodes = check_bridge(trainer, seed, steps)
+        check_update(model_dir, seed, steps, episodes, trainer.processing_class, first)
+    return {**timeline.summary(), "final": final_reward(trainer.model, trainer.processing_class, seed)}
 
 
-def run_ours_calculator(model_dir: str, seed: int, steps: int, max_seconds: float, staleness: int,
-                        latency: bool, process: bool) -> dict:
-    config = {
+def ours_config(model_dir: str, seed: int, steps: int, staleness: int, latency: bool, process: bool) -> dict:
+    return {
         "env": "calculator", "env_args": LATENCY if latency else {}, "seed": seed,
         "model": {"preset": None, "path": model_dir}, "warm_start": {"steps": 0},
         "loop": {"steps": steps, "groups_per_step": PROMPTS_PER_STEP, "group_size": GROUP_SIZE,
@@ -253,7 +297,11 @@ def run_ours_calculator(model_dir: str, seed: int, steps: int, max_seconds: floa
         "algo": {"estimator": "grpo", "loss": "ppo", "clip_low": CLIP_LOW, "clip_high": CLIP_HIGH,
                  "lr": PART2_LR, "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "kl_coef": 0.0},
     }
-    return run_ours(config, max_seconds)
+
+
+def run_ours_calculator(model_dir: str, seed: int, steps: int, max_seconds: float, staleness: int,
+                        latency: bool, process: bool) -> dict:
+    return run_ours(ours_config(model_dir, seed, steps, staleness, latency, process), max_seconds, final_reward)
 
 
 # ---- the bridge check ---------------------------------------------------------------------------------------------
@@ -272,7 +320,8 @@ class ReplaySampler:
 
 
 def check_bridge(trainer, seed: int, steps: int):
-    """Replay TRL's first generation batch through our Rollout and compare every episode's ids, mask and reward."""
+    """Replay TRL's first generation batch through our Rollout and compare every episode's ids, mask and reward;
+    returns our episodes, in TRL's order."""
     prompt_ids, completion_ids, tool_mask, completions = trainer.first_batch
     tokenizer = trainer.processing_class
     cfg = RunConfig.model_validate({"env": "calculator", "seed": seed})
@@ -281,7 +330,7 @@ def check_bridge(trainer, seed: int, steps: int):
     for s in train_seeds(seed, steps)[:PROMPTS_PER_STEP]:
         by_prompt.setdefault(tuple(rollout.encode(asyncio.run(make_env("calculator").reset(s)).text)), s)
 
-    exact, trailing_obs = 0, 0
+    exact, trailing_obs, episodes = 0, 0, []
     for i, (p, c, mask, messages) in enumerate(zip(prompt_ids, completion_ids, tool_mask, completions)):
         turns, run = [], []
         for token, m in zip(c, mask):   # TRL's replies: the runs of tool_mask 1
@@ -292,6 +341,7 @@ def check_bridge(trainer, seed: int, steps: int):
         turns += [run] if run else []
         s = by_prompt[tuple(p)]   # KeyError: TRL's prompt ids are not our encode(obs)
         ep = asyncio.run(rollout.episode(ReplaySampler(turns), s, 0, 0))[0]
+        episodes.append(ep)
         trl_ids, trl_action = p + c, [False] * len(p) + [bool(m) for m in mask]
         reward = asyncio.run(replay_reward(messages, s))
         if i < 3:
@@ -308,6 +358,30 @@ def check_bridge(trainer, seed: int, steps: int):
             trailing_obs += 1
     print(f"bridge check: {exact}/{len(prompt_ids)} of TRL's first-step episodes are token for token our Episode "
           f"(ids, trained mask, reward); {trailing_obs} differ only by our untrained observation of a third tool call")
+    return episodes
+
+
+def check_update(model_dir: str, seed: int, steps: int, episodes: list, tokenizer, trl: FirstGradient):
+    """Our engine's first on-policy step on TRL's first episodes, from the same weights: the gradient the optimizer
+    takes (after clipping) against TRL's. IS off: on-policy the behaviour log-probs are the proximal ones, so the IS
+    weights are 1 (test_on_policy_recomputed_logprobs_equal_recorded)."""
+    cfg = RunConfig.model_validate(ours_config(model_dir, seed, steps, 0, False, False))
+    cfg.algo.is_level = "off"
+    model = load_policy(ModelConfig(preset=None, path=model_dir), seed)[0]
+    optimizer, ours = torch.optim.AdamW(model.parameters(), lr=PART2_LR, weight_decay=0.0), {}
+    optimizer.register_step_pre_hook(lambda *_: ours.update({k: p.grad.clone() for k, p in model.named_parameters()}))
+    groups = [episodes[i:i + GROUP_SIZE] for i in range(0, len(episodes), GROUP_SIZE)]
+    assert all(len({e.seed for e in g}) == 1 for g in groups), "TRL's batch is not prompt-major groups"
+    metrics = train_step(model, optimizer, groups, cfg, step=0, breaker=Breaker(cfg.breaker),
+                         published={k: v.clone() for k, v in model.state_dict().items()},
+                         pad_id=tokenizer.pad_token_id)[0]
+    ours_flat, trl_flat = (torch.cat([g[k].flatten() for k in sorted(trl.grads)]) for g in (ours, trl.grads))
+    difference = (ours_flat - trl_flat).norm() / trl_flat.norm()
+    cosine = torch.nn.functional.cosine_similarity(ours_flat.double(), trl_flat.double(), dim=0)
+    print(f"update check: the first step's gradient norm (before clipping) TRL {trl.norm:.6f}, ours "
+          f"{metrics['grad_norm']:.6f}; the clipped gradients differ by {difference:.2e} of TRL's norm (cosine "
+          f"{cosine:.8f}), over {trl_flat.numel()} parameters")
+    assert difference < 1e-3, "our first update is not TRL's on the same episodes"
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
@@ -318,34 +392,36 @@ def report(args, rows: list[tuple]) -> list[str]:
     out = [f"### TRL GRPOTrainer(tools=[calc]) vs ours, calculator (seeds {' '.join(map(str, args.seeds))}; cap "
            f"{args.steps} steps or {args.max_seconds:g} s per run; lr {PART2_LR:g}; tool latency {LATENCY})", "",
            f"| system | tool latency | seed | steps | completions/s | time to {t} (s) | steps to {t} | last-10 reward"
-           " | CPU cores busy |", "|---|---|---|---|---|---|---|---|---|"]
+           " | final weights' reward | CPU cores busy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, latency, seed, r in rows:
         out.append(f"| {name} | {latency} | {seed} | {r['steps']} | {r['samples_per_s']:.1f} "
                    f"| {fmt_time(r['time_to_solve'])} | {r['steps_to_solve'] or '-'} | {r['last10_reward']:.3f} "
-                   f"| {r['cores_busy']:.2f} |")
+                   f"| {r['final']:.3f} | {r['cores_busy']:.2f} |")
     out += ["", f"Ours against TRL's best thread setting of the same seed and latency (the highest completions/s; "
-            f"the shortest time to {t}); the last-10 reward against that of TRL's fastest setting:", "",
+            f"the shortest time to {t}); the rewards against those of TRL's fastest setting:", "",
             f"| system | tool latency | seed | completions/s vs TRL | TRL time / our time to {t} "
-            "| last-10 reward minus TRL's |", "|---|---|---|---|---|---|"]
-    against = {}   # (system, latency) -> [(completions/s ratio, last-10 reward difference)], one per seed
+            "| last-10 reward minus TRL's | final weights' reward minus TRL's |", "|---|---|---|---|---|---|---|"]
+    against = {}   # (system, latency) -> [(completions/s ratio, last-10 and final reward differences)], one per seed
     for name, latency, seed, r in rows:
         trl = [x for n, lat, s, x in rows if n.startswith("TRL") and lat == latency and s == seed]
         if name.startswith("TRL") or not trl:
             continue
         fastest = max(trl, key=lambda x: x["samples_per_s"])
-        ratio, gap = r["samples_per_s"] / fastest["samples_per_s"], r["last10_reward"] - fastest["last10_reward"]
-        against.setdefault((name, latency), []).append((ratio, gap))
+        ratio = r["samples_per_s"] / fastest["samples_per_s"]
+        gaps = (r["last10_reward"] - fastest["last10_reward"], r["final"] - fastest["final"])
+        against.setdefault((name, latency), []).append((ratio, *gaps))
         out.append(f"| {name} | {latency} | {seed} | {ratio:.2f}x "
-                   f"| {fmt_ratio(min(x['time_to_solve'] for x in trl), r['time_to_solve'])} | {gap:+.3f} |")
+                   f"| {fmt_ratio(min(x['time_to_solve'] for x in trl), r['time_to_solve'])} | {gaps[0]:+.3f} "
+                   f"| {gaps[1]:+.3f} |")
     # A seed's last-10 reward is the mean of 1,280 episodes, but runs of one seed part ways as they sample different
     # tokens: the spread across seeds is what says whether a reward gap is more than chance.
-    out += ["", "Across seeds:", "", "| system | tool latency | seeds | completions/s vs TRL: median (lowest) "
-            "| last-10 reward minus TRL's: mean +- standard error | seeds at or above TRL |", "|---|---|---|---|---|---|"]
-    for (name, latency), pairs in against.items():
-        ratios, gaps = sorted(p[0] for p in pairs), [p[1] for p in pairs]
-        error = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else math.nan
-        out.append(f"| {name} | {latency} | {len(pairs)} | {statistics.median(ratios):.2f}x ({ratios[0]:.2f}x) "
-                   f"| {statistics.mean(gaps):+.3f} +- {error:.3f} | {sum(g >= 0 for g in gaps)} of {len(gaps)} |")
+    out += ["", "Across seeds (reward differences: mean +- standard error, and the seeds at or above TRL):", "",
+            "| system | tool latency | seeds | completions/s vs TRL: median (lowest) | last-10 reward minus TRL's "
+            "| final weights' reward minus TRL's |", "|---|---|---|---|---|---|"]
+    for (name, latency), per_seed in against.items():
+        ratios = sorted(p[0] for p in per_seed)
+        out.append(f"| {name} | {latency} | {len(per_seed)} | {statistics.median(ratios):.2f}x ({ratios[0]:.2f}x) "
+                   f"| {fmt_gaps([p[1] for p in per_seed])} | {fmt_gaps([p[2] for p in per_seed])} |")
     out += ["", "Episodes: TRL's are token for token ours (--check replays them through our Rollout), except that "
             "after a third reply calling the tool ours runs the call and records its observation (untrained) and "
             "TRL stops; TRL awaits a batch's tool calls one episode at a time."]
@@ -360,6 +436,11 @@ def main(argv=None):
     parser.add_argument("--trl-threads", type=int, nargs="+", default=None, help="torch threads of TRL runs "
                         "(default 1 and 2); ours uses the engine's default (loop.threads)")
     parser.add_argument("--latency", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--ours", choices=list(OURS), nargs="*", default=list(OURS), help="our settings to run: "
+                        "max_staleness 0, 2, and 2 with the sampler process (default all three; none: TRL only)")
+    # TRL samples the same tokens in every run of a seed, so every comparison on that seed meets the same draw of
+    # TRL's; an offset gives TRL fresh samples on the same prompts and warm start.
+    parser.add_argument("--trl-seed-offset", type=int, default=0, help="added to the seed of TRL's random stream")
     # The warm start samples about 0.35 (greedy ~0.85); seed 0 reaches a 10-step average of 0.6 in 80-90 steps (ours
     # at max_staleness 0 and TRL alike) and is still near 0.6 at step 100, so 0.8 is not reached within the step cap.
     parser.add_argument("--threshold", type=float, default=0.6, help="target of the 10-step moving average of the "
@@ -384,7 +465,7 @@ def main(argv=None):
             if args.check or args.quick:
                 log(f"seed {seed}: bridge check")
                 isolated(_setup_and_run, args.threshold, run_trl, model_dir, seed, 1, args.max_seconds,
-                         args.trl_threads[0], False, True)
+                         args.trl_threads[0], False, True, args.trl_seed_offset)
                 if args.check:
                     continue
             for latency in latencies:
@@ -392,10 +473,10 @@ def main(argv=None):
                 for n in args.trl_threads:
                     log(f"seed {seed}, latency {tag}: TRL ({n} thr)")
                     r = isolated(_setup_and_run, args.threshold, run_trl, model_dir, seed, args.steps,
-                                 args.max_seconds, n, latency)
+                                 args.max_seconds, n, latency, False, args.trl_seed_offset)
                     rows.append((f"TRL ({n} thr)", tag, seed, r))
                     log(f"  {fmt_row(r)}")
-                for k, process in OURS:
+                for k, process in (OURS[name] for name in args.ours):
                     name = f"ours (max_staleness {k}{', sampler process' if process else ''})"
                     log(f"seed {seed}, latency {tag}: {name}")
                     r = isolated(_setup_and_run, args.threshold, run_ours_calculator, model_dir, seed, args.steps,
@@ -410,7 +491,13 @@ def main(argv=None):
 
 def fmt_row(r: dict) -> str:
     return (f"{r['steps']} steps in {r['seconds']:.1f} s, {r['samples_per_s']:.1f} completions/s, time to target "
-            f"{fmt_time(r['time_to_solve'])}, last-10 reward {r['last10_reward']:.3f}, {r['cores_busy']:.2f} cores")
+            f"{fmt_time(r['time_to_solve'])}, last-10 reward {r['last10_reward']:.3f}, final weights' reward "
+            f"{r['final']:.3f}, {r['cores_busy']:.2f} cores")
+
+
+def fmt_gaps(gaps: list[float]) -> str:
+    error = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else math.nan
+    return f"{statistics.mean(gaps):+.3f} +- {error:.3f}, {sum(g >= 0 for g in gaps)} of {len(gaps)}"
 
 
 if __name__ == "__main__":

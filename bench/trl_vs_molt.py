@@ -152,7 +152,8 @@ def warm_started_policy(env: str, seed: int, out_dir: str, warm_start: dict) -> 
     return out_dir
 
 
-def run_ours(config: dict, max_seconds: float) -> dict:
+def run_ours(config: dict, max_seconds: float, final=None) -> dict:
+    """One run of our engine; `final(model, tokenizer, seed)`, if given, scores the trained weights ("final")."""
     if "checkpoint" in RunConfig.model_fields:
         # No checkpoints: TRL saves nothing either (save_strategy="no"), and there is no run directory to write to.
         config = {**config, "checkpoint": {"every": 0}}
@@ -165,7 +166,7 @@ def run_ours(config: dict, max_seconds: float) -> dict:
     except* _Stop:
         pass
     return {**sink.timeline.summary(), "final_eval": sink.final_eval, "stale_dropped": sink.stale_dropped,
-            "breaker_trips": sink.breaker_trips}
+            "breaker_trips": sink.breaker_trips, **({"final": final(run.model, run.processor, cfg.seed)} if final else {})}
 
 
 # ---- part 1: TRL vs ours on max_digit ----------------------------------------------------------------------------

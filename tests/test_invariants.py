@@ -669,9 +669,11 @@ def test_a_sampler_process_answers_as_the_sampler_does_and_stops_a_request_its_c
     assert stats["busy_s"] > 0 and stats["steps"] >= 24 and not multiprocessing.active_children()
 
 
-def test_sampled_tokens_follow_the_softmax_and_never_take_a_token_of_probability_0():
+def test_sampled_tokens_follow_the_softmax_independently_and_never_take_a_token_of_probability_0():
     """The sampler's inverse CDF over each request's hashed uniform numbers: 200 requests x 100 tokens from fixed
-    probabilities (the last token, 0, is where a rounding error would land), one logits row for all of them."""
+    probabilities (the last token, 0, is where a rounding error would land), one logits row for all of them. A
+    request's consecutive tokens, and the same token of requests with consecutive seeds (a group's episodes), are
+    independent draws: equal as often as the sum of the squared probabilities."""
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
     sampler = Sampler(model, [], 0, temperature=1.0)
     probs = torch.zeros(model.config.vocab_size)
@@ -685,6 +687,9 @@ def test_sampled_tokens_follow_the_softmax_and_never_take_a_token_of_probability
     counts = torch.bincount(tokens, minlength=len(probs)) / len(tokens)
     assert set(tokens.tolist()) == {3, 5, 8}
     assert torch.allclose(counts[[3, 5, 8]], torch.tensor([0.5, 0.3, 0.2]), atol=0.01), counts[[3, 5, 8]]
+    ids, same = torch.tensor([r.ids for r in reqs]), 0.5**2 + 0.3**2 + 0.2**2
+    assert (ids[:, 1:] == ids[:, :-1]).float().mean() == pytest.approx(same, abs=0.015)
+    assert (ids[1:] == ids[:-1]).float().mean() == pytest.approx(same, abs=0.015)
     assert all(r.logprobs[0] == pytest.approx(float(probs[r.ids[0]].log())) for r in reqs)
 
 
