@@ -9,8 +9,10 @@
 # mean and standard error of our last-10 and final weights' rewards minus TRL's.
 #
 #     python bench/trl_multiturn.py --quick                        # smoke: bridge check, 2 steps per run, seed 0
-#     python bench/trl_multiturn.py --check                        # only the bridge check (one TRL step)
+#     python bench/trl_multiturn.py --check                        # only the bridge and update checks (one TRL step)
 #     python bench/trl_multiturn.py --seeds 0 --steps 30 --latency off
+#     python bench/trl_multiturn.py --seeds 9 10 11 --latency off --ours 0 2-process   # two of our settings
+#     python bench/trl_multiturn.py --latency off --ours --trl-seed-offset 1000       # TRL only, fresh samples
 #
 # The bridge (see make_trl_trainer): conversational prompts rendered by a chat template that writes each message's
 # content verbatim (an assistant's followed by <eos>); parse_response replaced by our engine's decode, a reply that
@@ -63,7 +65,7 @@ from trl_vs_molt import (CALCULATOR_WARM_START, CLIP_HIGH, CLIP_LOW, GROUP_SIZE,
 MAX_TURNS, TURN_TOKENS = Calculator.max_turns, Calculator.max_tokens
 # Our settings by --ours name: (max_staleness, loop.sampler_process). On-policy the sampler and the trainer take
 # turns, so a sampler process has nothing to overlap there.
-OURS = {"0": (0, False), "2": (2, False), "2-process": (2, True)}
+OURS = {"0": (0, False), "2": (2, False), "2-process": (2, True), "1-process": (1, True)}
 # TRL's budget is for the whole completion (replies and tool results): 3 replies of 12 tokens and 2 results of at most
 # "=-99999\n" never reach it, so TRL never truncates an episode that ours would keep.
 MAX_COMPLETION = MAX_TURNS * TURN_TOKENS + (MAX_TURNS - 1) * 16
@@ -436,8 +438,9 @@ def main(argv=None):
     parser.add_argument("--trl-threads", type=int, nargs="+", default=None, help="torch threads of TRL runs "
                         "(default 1 and 2); ours uses the engine's default (loop.threads)")
     parser.add_argument("--latency", choices=["off", "on", "both"], default="both")
-    parser.add_argument("--ours", choices=list(OURS), nargs="*", default=list(OURS), help="our settings to run: "
-                        "max_staleness 0, 2, and 2 with the sampler process (default all three; none: TRL only)")
+    parser.add_argument("--ours", choices=list(OURS), nargs="*", default=["0", "2", "2-process"], help="our "
+                        "settings to run: max_staleness 0, 2, 2 with the sampler process (the default: these three) "
+                        "and 1 with it; none: TRL only")
     # TRL samples the same tokens in every run of a seed, so every comparison on that seed meets the same draw of
     # TRL's; an offset gives TRL fresh samples on the same prompts and warm start.
     parser.add_argument("--trl-seed-offset", type=int, default=0, help="added to the seed of TRL's random stream")
@@ -445,7 +448,8 @@ def main(argv=None):
     # at max_staleness 0 and TRL alike) and is still near 0.6 at step 100, so 0.8 is not reached within the step cap.
     parser.add_argument("--threshold", type=float, default=0.6, help="target of the 10-step moving average of the "
                         "training reward")
-    parser.add_argument("--check", action="store_true", help="only check the bridge on one TRL step, then exit")
+    parser.add_argument("--check", action="store_true", help="only check the bridge and the first update on one TRL "
+                        "step, then exit")
     parser.add_argument("--quick", action="store_true", help="smoke: bridge check, 2 steps per run, seed 0, 1 thread")
     args = parser.parse_args(argv)
     if args.quick:

@@ -165,8 +165,11 @@ def run_ours(config: dict, max_seconds: float, final=None) -> dict:
         asyncio.run(run.run())
     except* _Stop:
         pass
-    return {**sink.timeline.summary(), "final_eval": sink.final_eval, "stale_dropped": sink.stale_dropped,
-            "breaker_trips": sink.breaker_trips, **({"final": final(run.model, run.processor, cfg.seed)} if final else {})}
+    summary = {**sink.timeline.summary(), "final_eval": sink.final_eval, "stale_dropped": sink.stale_dropped,
+               "breaker_trips": sink.breaker_trips}
+    if final:
+        summary["final"] = final(run.model, run.processor, cfg.seed)
+    return summary
 
 
 # ---- part 1: TRL vs ours on max_digit ----------------------------------------------------------------------------
