@@ -50,6 +50,7 @@ import torch
 import transformers
 
 import trl_vs_molt
+from molt_engine import dist
 from molt_engine.breaker import Breaker
 from molt_engine.chat import stop_ids
 from molt_engine.config import ModelConfig, RunConfig
@@ -283,9 +284,9 @@ def run_trl(model_dir: str, seed: int, steps: int, max_seconds: float, threads: 
                                    seed_offset)
         torch.set_num_threads(threads)
         trainer.train()
-    if check:
-        episodes = check_bridge(trainer, seed, steps)
-        check_update(model_dir, seed, steps, episodes, trainer.processing_class, first)
+    if check:   # nothing else of a check's one step is used
+        check_update(model_dir, seed, steps, check_bridge(trainer, seed, steps), trainer.processing_class, first)
+        return timeline.summary()
     return {**timeline.summary(), "final": final_reward(trainer.model, trainer.processing_class, seed)}
 
 
@@ -375,7 +376,7 @@ def check_update(model_dir: str, seed: int, steps: int, episodes: list, tokenize
     groups = [episodes[i:i + GROUP_SIZE] for i in range(0, len(episodes), GROUP_SIZE)]
     assert all(len({e.seed for e in g}) == 1 for g in groups), "TRL's batch is not prompt-major groups"
     metrics = train_step(model, optimizer, groups, cfg, step=0, breaker=Breaker(cfg.breaker),
-                         published={k: v.clone() for k, v in model.state_dict().items()},
+                         published=dist.full_weights(model),
                          pad_id=tokenizer.pad_token_id)[0]
     ours_flat, trl_flat = (torch.cat([g[k].flatten() for k in sorted(trl.grads)]) for g in (ours, trl.grads))
     difference = (ours_flat - trl_flat).norm() / trl_flat.norm()

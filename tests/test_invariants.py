@@ -683,11 +683,12 @@ def test_sampled_tokens_follow_the_softmax_independently_and_never_take_a_token_
         req.row = 0
     for _ in range(100):
         sampler._sample(reqs, probs.log()[None], None)
-    tokens = torch.tensor([r.ids for r in reqs]).flatten()
+    ids = torch.tensor([r.ids for r in reqs])
+    tokens = ids.flatten()
     counts = torch.bincount(tokens, minlength=len(probs)) / len(tokens)
     assert set(tokens.tolist()) == {3, 5, 8}
     assert torch.allclose(counts[[3, 5, 8]], torch.tensor([0.5, 0.3, 0.2]), atol=0.01), counts[[3, 5, 8]]
-    ids, same = torch.tensor([r.ids for r in reqs]), 0.5**2 + 0.3**2 + 0.2**2
+    same = 0.5**2 + 0.3**2 + 0.2**2
     assert (ids[:, 1:] == ids[:, :-1]).float().mean() == pytest.approx(same, abs=0.015)
     assert (ids[1:] == ids[:-1]).float().mean() == pytest.approx(same, abs=0.015)
     assert all(r.logprobs[0] == pytest.approx(float(probs[r.ids[0]].log())) for r in reqs)
