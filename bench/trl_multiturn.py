@@ -13,6 +13,7 @@
 #     python bench/trl_multiturn.py --seeds 0 --steps 30 --latency off
 #     python bench/trl_multiturn.py --seeds 9 10 11 --latency off --ours 0 2-process   # two of our settings
 #     python bench/trl_multiturn.py --latency off --ours --trl-seed-offset 1000       # TRL only, fresh samples
+#     python bench/trl_multiturn.py --latency off --ours 2-process --algo '{"is_level": "seq"}'   # other IS
 #
 # The bridge (see make_trl_trainer): conversational prompts rendered by a chat template that writes each message's
 # content verbatim (an assistant's followed by <eos>); parse_response replaced by our engine's decode, a reply that
@@ -34,6 +35,7 @@
 import argparse
 import asyncio
 import copy
+import json
 import math
 import multiprocessing
 import os
@@ -290,7 +292,9 @@ def run_trl(model_dir: str, seed: int, steps: int, max_seconds: float, threads: 
     return {**timeline.summary(), "final": final_reward(trainer.model, trainer.processing_class, seed)}
 
 
-def ours_config(model_dir: str, seed: int, steps: int, staleness: int, latency: bool, process: bool) -> dict:
+def ours_config(model_dir: str, seed: int, steps: int, staleness: int, latency: bool, process: bool,
+                algo: dict | None = None) -> dict:
+    """Our run's config; `algo` (--algo) overrides the bench's algo settings."""
     return {
         "env": "calculator", "env_args": LATENCY if latency else {}, "seed": seed,
         "model": {"preset": None, "path": model_dir}, "warm_start": {"steps": 0},
@@ -298,13 +302,14 @@ def ours_config(model_dir: str, seed: int, steps: int, staleness: int, latency: 
                  "max_staleness": staleness, "temperature": TEMPERATURE, "eval_every": 0,
                  "sampler_process": process},
         "algo": {"estimator": "grpo", "loss": "ppo", "clip_low": CLIP_LOW, "clip_high": CLIP_HIGH,
-                 "lr": PART2_LR, "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "kl_coef": 0.0},
+                 "lr": PART2_LR, "weight_decay": 0.0, "max_grad_norm": MAX_GRAD_NORM, "kl_coef": 0.0,
+                 **(algo or {})},
     }
 
 
 def run_ours_calculator(model_dir: str, seed: int, steps: int, max_seconds: float, staleness: int,
-                        latency: bool, process: bool) -> dict:
-    return run_ours(ours_config(model_dir, seed, steps, staleness, latency, process), max_seconds, final_reward)
+                        latency: bool, process: bool, algo: dict | None = None) -> dict:
+    return run_ours(ours_config(model_dir, seed, steps, staleness, latency, process, algo), max_seconds, final_reward)
 
 
 # ---- the bridge check ---------------------------------------------------------------------------------------------
@@ -445,6 +450,8 @@ def main(argv=None):
     # TRL samples the same tokens in every run of a seed, so every comparison on that seed meets the same draw of
     # TRL's; an offset gives TRL fresh samples on the same prompts and warm start.
     parser.add_argument("--trl-seed-offset", type=int, default=0, help="added to the seed of TRL's random stream")
+    parser.add_argument("--algo", type=json.loads, default={}, help="our runs' algo settings over the bench's, as "
+                        "JSON: '{\"is_level\": \"seq\"}' (off-policy corrections at max_staleness 2)")
     # The warm start samples about 0.35 (greedy ~0.85); seed 0 reaches a 10-step average of 0.6 in 80-90 steps (ours
     # at max_staleness 0 and TRL alike) and is still near 0.6 at step 100, so 0.8 is not reached within the step cap.
     parser.add_argument("--threshold", type=float, default=0.6, help="target of the 10-step moving average of the "
@@ -482,10 +489,11 @@ def main(argv=None):
                     rows.append((f"TRL ({n} thr)", tag, seed, r))
                     log(f"  {fmt_row(r)}")
                 for k, process in (OURS[name] for name in args.ours):
-                    name = f"ours (max_staleness {k}{', sampler process' if process else ''})"
+                    name = (f"ours (max_staleness {k}{', sampler process' if process else ''}"
+                            f"{', algo ' + json.dumps(args.algo) if args.algo else ''})")
                     log(f"seed {seed}, latency {tag}: {name}")
                     r = isolated(_setup_and_run, args.threshold, run_ours_calculator, model_dir, seed, args.steps,
-                                 args.max_seconds, k, latency, process)
+                                 args.max_seconds, k, latency, process, args.algo)
                     rows.append((name, tag, seed, r))
                     log(f"  {fmt_row(r)}")
     if rows:
