@@ -460,6 +460,8 @@ def main(argv=None):
                         "step, then exit")
     parser.add_argument("--quick", action="store_true", help="smoke: bridge check, 2 steps per run, seed 0, 1 thread")
     args = parser.parse_args(argv)
+    if not isinstance(args.algo, dict):
+        parser.error(f"--algo takes a JSON object of algo settings, not {args.algo!r}")
     if args.quick:
         args.steps = 2
         args.seeds = args.seeds or [0]
