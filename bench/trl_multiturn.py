@@ -400,11 +400,13 @@ def report(args, rows: list[tuple]) -> list[str]:
     out = [f"### TRL GRPOTrainer(tools=[calc]) vs ours, calculator (seeds {' '.join(map(str, args.seeds))}; cap "
            f"{args.steps} steps or {args.max_seconds:g} s per run; lr {PART2_LR:g}; tool latency {LATENCY})", "",
            f"| system | tool latency | seed | steps | completions/s | time to {t} (s) | steps to {t} | last-10 reward"
-           " | final weights' reward | CPU cores busy |", "|---|---|---|---|---|---|---|---|---|---|"]
+           " | final weights' reward | CPU cores busy | staleness | episodes dropped as stale |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, latency, seed, r in rows:
+        ours = f"{r['staleness']:.2f} | {r['stale_dropped']}" if "staleness" in r else "- | -"  # TRL is on-policy
         out.append(f"| {name} | {latency} | {seed} | {r['steps']} | {r['samples_per_s']:.1f} "
                    f"| {fmt_time(r['time_to_solve'])} | {r['steps_to_solve'] or '-'} | {r['last10_reward']:.3f} "
-                   f"| {r['final']:.3f} | {r['cores_busy']:.2f} |")
+                   f"| {r['final']:.3f} | {r['cores_busy']:.2f} | {ours} |")
     out += ["", f"Ours against TRL's best thread setting of the same seed and latency (the highest completions/s; "
             f"the shortest time to {t}); the rewards against those of TRL's fastest setting:", "",
             f"| system | tool latency | seed | completions/s vs TRL | TRL time / our time to {t} "

@@ -115,6 +115,7 @@ class BenchSink(NullSink):
         self.timeline = timeline
         self.final_eval = None      # eval reward on the final weights; None if the run was cut by the time budget
         self.stale_dropped = 0
+        self.staleness = []         # each step's mean age of the trained tokens, in versions
         self.breaker_trips = 0      # steps our gradient-norm breaker refused to apply (TRL has no such thing)
 
     def metrics(self, step, values):
@@ -122,6 +123,7 @@ class BenchSink(NullSink):
             self.final_eval = values["eval_reward"]
         if "reward_mean" in values:
             self.stale_dropped += int(values.get("stale_dropped", 0))
+            self.staleness.append(values.get("staleness_mean", 0.0))
             self.breaker_trips += int(values.get("breaker_tripped", 0))
             if self.timeline.record(values["reward_mean"]):
                 raise _Stop
@@ -166,7 +168,7 @@ def run_ours(config: dict, max_seconds: float, final=None) -> dict:
     except* _Stop:
         pass
     summary = {**sink.timeline.summary(), "final_eval": sink.final_eval, "stale_dropped": sink.stale_dropped,
-               "breaker_trips": sink.breaker_trips}
+               "staleness": statistics.fmean(sink.staleness or [0.0]), "breaker_trips": sink.breaker_trips}
     if final:
         summary["final"] = final(run.model, run.processor, cfg.seed)
     return summary
