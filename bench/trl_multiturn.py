@@ -14,6 +14,7 @@
 #     python bench/trl_multiturn.py --seeds 9 10 11 --latency off --ours 0 2-process   # two of our settings
 #     python bench/trl_multiturn.py --latency off --ours --trl-seed-offset 1000       # TRL only, fresh samples
 #     python bench/trl_multiturn.py --latency off --ours 2-process --algo '{"is_level": "seq"}'   # other IS
+#     python bench/trl_multiturn.py --latency off --ours 0 lag-2 2-process     # the lag's own cost at 2
 #
 # The bridge (see make_trl_trainer): conversational prompts rendered by a chat template that writes each message's
 # content verbatim (an assistant's followed by <eos>); parse_response replaced by our engine's decode, a reply that
@@ -57,6 +58,7 @@ from molt_engine.breaker import Breaker
 from molt_engine.chat import stop_ids
 from molt_engine.config import ModelConfig, RunConfig
 from molt_engine.envs import _OPS, _TOOL_CALL, EVAL_SEEDS, Calculator, make_env
+from molt_engine.loop import Training
 from molt_engine.models import load_policy
 from molt_engine.rollout import Rollout
 from molt_engine.sampler import Sampler
@@ -67,8 +69,10 @@ from trl_vs_molt import (CALCULATOR_WARM_START, CLIP_HIGH, CLIP_LOW, GROUP_SIZE,
 
 MAX_TURNS, TURN_TOKENS = Calculator.max_turns, Calculator.max_tokens
 # Our settings by --ours name: (max_staleness, loop.sampler_process). On-policy the sampler and the trainer take
-# turns, so a sampler process has nothing to overlap there.
-OURS = {"0": (0, False), "2": (2, False), "2-process": (2, True), "1-process": (1, True)}
+# turns, so a sampler process has nothing to overlap there. lag-1 and lag-2 are the ideal lagged pipeline
+# (run_ours_calculator): read their rewards, not their speed.
+OURS = {"0": (0, False), "2": (2, False), "2-process": (2, True), "1-process": (1, True), "lag-1": (1, False),
+        "lag-2": (2, False)}
 # TRL's budget is for the whole completion (replies and tool results): 3 replies of 12 tokens and 2 results of at most
 # "=-99999\n" never reach it, so TRL never truncates an episode that ours would keep.
 MAX_COMPLETION = MAX_TURNS * TURN_TOKENS + (MAX_TURNS - 1) * 16
@@ -308,7 +312,26 @@ def ours_config(model_dir: str, seed: int, steps: int, staleness: int, latency: 
 
 
 def run_ours_calculator(model_dir: str, seed: int, steps: int, max_seconds: float, staleness: int,
-                        latency: bool, process: bool, algo: dict | None = None) -> dict:
+                        latency: bool, process: bool, algo: dict | None = None, ideal_lag: bool = False) -> dict:
+    """One run of ours. ideal_lag (--ours lag-1, lag-2; patched in this run's own process): batches are admitted as
+    on-policy (in prompt order; every group trained, none dropped), but each is decoded by the version `staleness`
+    back, stamped with that version. Against max_staleness `staleness`, it tells the lag's own cost from what the
+    engine's asynchronous path adds: the order groups finish in, stale drops, turns across a swap, the sampler
+    process."""
+    if ideal_lag:
+        groups = PROMPTS_PER_STEP
+        Training.may_start = lambda self: self.cursor - self.dropped_groups < (self.version + 1) * groups
+        publish, versions = Sampler.publish, {}
+
+        def publish_lagged(self, weights: dict, version: int):
+            if not versions:  # version 0: the weights the sampler was built with
+                state = self.model.state_dict()
+                versions[0] = {name: state[name].clone() for name in weights}
+            versions[version] = {name: tensor.clone() for name, tensor in weights.items()}
+            old = max(version - staleness, 0)
+            versions.pop(old - 1, None)
+            publish(self, versions[old], old)
+        Sampler.publish = publish_lagged
     return run_ours(ours_config(model_dir, seed, steps, staleness, latency, process, algo), max_seconds, final_reward)
 
 
@@ -448,7 +471,8 @@ def main(argv=None):
     parser.add_argument("--latency", choices=["off", "on", "both"], default="both")
     parser.add_argument("--ours", choices=list(OURS), nargs="*", default=["0", "2", "2-process"], help="our "
                         "settings to run: max_staleness 0, 2, 2 with the sampler process (the default: these three) "
-                        "and 1 with it; none: TRL only")
+                        "and 1 with it; lag-1 and lag-2, on-policy batches decoded 1 or 2 versions back (the ideal "
+                        "lagged pipeline); none: TRL only")
     # TRL samples the same tokens in every run of a seed, so every comparison on that seed meets the same draw of
     # TRL's; an offset gives TRL fresh samples on the same prompts and warm start.
     parser.add_argument("--trl-seed-offset", type=int, default=0, help="added to the seed of TRL's random stream")
@@ -492,12 +516,14 @@ def main(argv=None):
                                  args.max_seconds, n, latency, False, args.trl_seed_offset)
                     rows.append((f"TRL ({n} thr)", tag, seed, r))
                     log(f"  {fmt_row(r)}")
-                for k, process in (OURS[name] for name in args.ours):
-                    name = (f"ours (max_staleness {k}{', sampler process' if process else ''}"
+                for setting in args.ours:
+                    (k, process), lag = OURS[setting], setting.startswith("lag")
+                    name = (f"ours ({'ideal lag' if lag else 'max_staleness'} {k}"
+                            f"{', sampler process' if process else ''}"
                             f"{', algo ' + json.dumps(args.algo) if args.algo else ''})")
                     log(f"seed {seed}, latency {tag}: {name}")
                     r = isolated(_setup_and_run, args.threshold, run_ours_calculator, model_dir, seed, args.steps,
-                                 args.max_seconds, k, latency, process, args.algo)
+                                 args.max_seconds, k, latency, process, args.algo, lag)
                     rows.append((name, tag, seed, r))
                     log(f"  {fmt_row(r)}")
     if rows:
