@@ -319,8 +319,8 @@ def run_ours_calculator(model_dir: str, seed: int, steps: int, max_seconds: floa
     engine's asynchronous path adds: the order groups finish in, stale drops, turns across a swap, the sampler
     process."""
     if ideal_lag:
-        groups = PROMPTS_PER_STEP
-        Training.may_start = lambda self: self.cursor - self.dropped_groups < (self.version + 1) * groups
+        Training.may_start = lambda self: (self.cursor - self.dropped_groups
+                                           < (self.version + 1) * self.cfg.loop.groups_per_step)  # as on-policy
         publish, versions = Sampler.publish, {}
 
         def publish_lagged(self, weights: dict, version: int):
