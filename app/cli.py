@@ -299,7 +299,7 @@ def cmd_train(args) -> int:
         return 0
     sink = ProgressSink(cfg.loop.steps) if rank == 0 else None
     if sink and args.report_to:  # delivered by a thread from a spool in `out`: training never waits on the dashboard
-        from daemon.sink import HttpSink
+        from daemon.report import HttpSink
         sink = HttpSink(args.report_to, args.token, cfg.model_dump(mode="json"), out, echo=sink,
                         ranks=int(os.environ.get("WORLD_SIZE", "1")), resume=args.resume)
     summary = {"status": "failed"}

@@ -174,3 +174,10 @@ def add_daemon_event(engine: Engine, kind: str, message: str, pid: int | None = 
     with Session(engine) as s:
         s.add(DaemonEvent(kind=kind, message=message, pid=pid, cause=cause))
         s.commit()
+
+
+def row_dict(row) -> dict:
+    """A table row as a plain dict (what the API shows)."""
+    # getattr, not model_dump(): it loads attributes that a commit expired (model_dump would silently drop them)
+    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
+
