@@ -83,7 +83,7 @@ def upgrade(engine: Engine, home: Path, revision: str = "head"):
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    with file_lock(home / "migrate.lock"), engine.begin() as conn:
+    with file_lock(home / "migrate.lock"), engine.connect() as conn:
         cfg = alembic_config(conn)
         if revision == "head":
             heads = set(ScriptDirectory.from_config(cfg).get_heads())
@@ -92,7 +92,20 @@ def upgrade(engine: Engine, home: Path, revision: str = "head"):
                 return  # the common case, without loading env.py
             logging.getLogger("molt.daemon").info("migrating %s from %s to %s", home / "molt.db",
                                                   ",".join(sorted(current)) or "empty", ",".join(sorted(heads)))
-        command.upgrade(cfg, revision)
+        conn.commit()
+        # A migration that rebuilds a table others refer to (batch mode: copy, drop, rename) needs the foreign keys
+        # off, set outside any transaction (SQLite's own recipe for schema changes); they are checked at the end.
+        conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        conn.commit()
+        try:
+            command.upgrade(cfg, revision)
+            if broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all():
+                raise RuntimeError(f"the migration broke foreign keys: {broken[:5]}")
+            conn.commit()
+        finally:
+            conn.rollback()  # what failed, if anything: the pragma below takes effect only outside a transaction
+            conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+            conn.commit()
 
 
 @contextmanager

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import delete, func, select, text
+from sqlalchemy import delete, func, select, text, update
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
@@ -183,6 +183,9 @@ class Records(SampleRecords, DaemonRecords):
         with a fresh restart budget. Idempotent for a run that is already queued or active."""
         with Session(self.engine) as s:
             run = self._get(s, run_id)
+            if run.host is not None:  # its checkpoints and process are on that machine: training it here would fork it
+                raise Conflict(f"run {run_id} is an external run on {run.host}: it resumes only from its own machine, "
+                               "with `molt train --resume --report-to URL --out DIR` there")
             if set_run(s, run_id, ("stopped", "failed", "tripped"), status="queued", retries=0, finished_at=None,
                        next_start_at=None):
                 add_event(s, run_id, "resume_requested", "resume requested: continues from the latest checkpoint")
@@ -191,6 +194,28 @@ class Records(SampleRecords, DaemonRecords):
                 if run.status in ("completed", "stopping"):
                     raise Conflict(f"run {run_id} is {run.status}: cannot resume"
                                    + (" until it has stopped" if run.status == "stopping" else ""))
+            s.commit()
+        return self.get_run(run_id)
+
+    def end_external_run(self, run_id: int, status: str) -> dict:
+        """Mark an external run that no longer reports (`unreachable`, or `stopping` with no answer) `stopped` or
+        `failed`: nobody else can end it, since its process is on a machine the daemon does not watch. Its open
+        attempt is closed and its ingest token stops working, as at any end; `molt train --resume` goes on later."""
+        if status not in ("stopped", "failed"):
+            raise ValueError(f"status must be stopped or failed, not {status!r}")
+        with Session(self.engine) as s:
+            run = self._get(s, run_id)
+            why = f"marked {status} from the dashboard: it no longer reported ({run.status})"
+            if run.host is None:
+                raise Conflict(f"run {run_id} is not an external run: stop it instead")
+            if not set_run(s, run_id, ("unreachable", "stopping"), status=status, pid=None, finished_at=now(),
+                           last_error=why if status == "failed" else run.last_error):
+                raise Conflict(f"run {run_id} is {run.status}: only an unreachable or stopping external run can be "
+                               "marked ended" + (" (it still reports: stop it instead)" if run.status == "running"
+                                                 else ""))
+            s.execute(update(Attempt).where(Attempt.run_id == run_id, Attempt.ended_at.is_(None)).values(
+                ended_at=now(), cause=why, end_step=run.step))
+            add_event(s, run_id, status, why)
             s.commit()
         return self.get_run(run_id)
 

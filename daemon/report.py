@@ -41,6 +41,7 @@ class HttpSink(SpoolSink):
             self.run_id, self.ingest_token = attach
         self.attached = attach is not None
         self.session = uuid.uuid4().hex[:12]  # alert and event uids: "session:seq", unique per run
+        self.once = uuid.uuid4().hex  # the Idempotency-Key of our registration or resume: its retries make one
         self.stop_requested = False
         self.client = httpx.Client(timeout=10)
         super().__init__("molt-report", out_dir, "report-spool", flush_every,
@@ -76,9 +77,10 @@ class HttpSink(SpoolSink):
     def _uid(self) -> str:
         return f"{self.session}:{self._seq}"
 
-    def _post(self, path: str, token: str, body: dict) -> dict:
-        response = self.client.post(self.url + path, content=json.dumps(body, default=jsonable),
-                                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    def _post(self, path: str, token: str, body: dict, key: str | None = None) -> dict:
+        headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
+                   **({"Idempotency-Key": key} if key else {})}
+        response = self.client.post(self.url + path, content=json.dumps(body, default=jsonable), headers=headers)
         if response.is_error:
             raise RuntimeError(f"{response.status_code} from {self.url + path}: {response.text[:300]}")
         return response.json()
@@ -87,15 +89,16 @@ class HttpSink(SpoolSink):
         where = {"host": socket.gethostname(), "pid": os.getpid(), "ranks": self.ranks}
         if self.run_id is None:
             registered = self._post("/api/v1/external-runs", self.token,
-                                    {"name": self.name, "config": self.config, **where})
+                                    {"name": self.name, "config": self.config, **where}, self.once)
             self.run_id, self.ingest_token = registered["run"]["id"], registered["ingest_token"]
             fd = os.open(self.saved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is a credential
+            os.fchmod(fd, 0o600)  # also when the file was there before (O_CREAT's mode applies only to a new one)
             with os.fdopen(fd, "w") as f:
                 json.dump({"url": self.url, "run_id": self.run_id, "ingest_token": self.ingest_token}, f)
             print(f"molt: reporting to {self.url}/runs/{self.run_id}", file=sys.stderr, flush=True)
         elif not self.attached:
             self._post(f"/api/v1/runs/{self.run_id}/attempts", self.ingest_token,
-                       {**where, "steps": (self.config.get("loop") or {}).get("steps")})
+                       {**where, "steps": (self.config.get("loop") or {}).get("steps")}, self.once)
             print(f"molt: resuming {self.url}/runs/{self.run_id}", file=sys.stderr, flush=True)
         self.attached = True
         age = None if beat is None else max(0.0, time.time() - beat)

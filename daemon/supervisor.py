@@ -181,6 +181,8 @@ class Supervisor:
         if w and w.log:
             w.log.close()
         replay_spools(self.engine, run_id, run_dir(self.home, run_id))  # what it reported but never committed
+        # A worker placed on Ray removes its attempt file (the ingest token inside) as it ends: not if SIGKILLed
+        (run_dir(self.home, run_id) / f"attempt-{attempt_id}.json").unlink(missing_ok=True)
         sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
         with Session(self.engine) as s:
             attempt = s.get(Attempt, attempt_id)
@@ -206,6 +208,7 @@ class Supervisor:
             ended_at = func.coalesce(Attempt.ended_at, now())  # the worker's own record of its end, if it made one
             s.execute(update(Attempt).where(Attempt.id == attempt_id).values(
                 ended_at=ended_at, exit_code=rc, signal=sig, cause=cause, end_step=end_step))
+            s.execute(update(Run).where(Run.id == run_id).values(ingest_token=None))  # its rank 0's on Ray, if any
             s.commit()
             attempt.end_step = end_step
             if rc != DUPLICATE:
@@ -263,19 +266,27 @@ class Supervisor:
         wait holds back the ones after it, so a large run is never starved by small ones."""
         with Session(self.engine) as s:
             due = s.scalars(select(Run).where(Run.status == "restarting", Run.next_start_at <= now(),
-                                              Run.id.not_in(list(self.workers))).order_by(Run.id)).all()
+                                              Run.host.is_(None), Run.id.not_in(list(self.workers)))
+                            .order_by(Run.id)).all()
             for run in due:
                 if not self.refused(s, run, "restarting") and self.gpus_needed(run) <= len(self.free_gpus()):
                     self.start(s, run)
-            active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
-            free = self.concurrency - active - len(self.evals.workers)
-            if free > 0:
-                for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
+            free = self.free_slots(s)
+            if free > 0:  # an external run is never started here (it resumes on its own machine)
+                for run in s.scalars(select(Run).where(Run.status == "queued", Run.host.is_(None)).order_by(Run.id)
+                                     .limit(free)).all():
                     if self.refused(s, run, "queued"):
                         continue
                     if self.gpus_needed(run) > len(self.free_gpus()):
                         break
                     self.start(s, run)
+
+    def free_slots(self, s: Session) -> int:
+        """The slot rule, for runs and evaluations alike: `concurrency` workers at once, a slot per active run of this
+        daemon and per evaluation worker. External runs hold none: they train elsewhere (one whose process died
+        must not block this daemon's work)."""
+        local = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
+        return self.concurrency - local - len(self.evals.workers)
 
     def refused(self, s: Session, run: Run, status: str) -> bool:
         """A run that could never start on this daemon (e.g. a restart after the daemon came back without its Ray
