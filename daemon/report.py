@@ -81,6 +81,14 @@ class HttpSink(SpoolSink):
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
                    **({"Idempotency-Key": key} if key else {})}
         response = self.client.post(self.url + path, content=json.dumps(body, default=jsonable), headers=headers)
+        if response.status_code == 409 and not self.stop_requested:
+            # The dashboard ended this run (marked stopped or failed while it did not report) or will not reopen it
+            # (a completed run resumed with no more steps): it takes nothing more, so training stops as if asked,
+            # and the records stay in the spool for a later `--resume` (which opens a new attempt).
+            self.stop_requested, self.drain_s = True, 1.0
+            print(f"molt: the dashboard takes no more records of this run ({response.json().get('detail')}): "
+                  f"stopping; what was not reported stays in {self.spool_dir}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # what the daemon sends its worker: the engine checkpoints
         if response.is_error:
             raise RuntimeError(f"{response.status_code} from {self.url + path}: {response.text[:300]}")
         return response.json()

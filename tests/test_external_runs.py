@@ -279,3 +279,37 @@ def test_the_token_is_on_no_ranks_command_line(web, tmp_path):
     assert len(seen) == 2 and not [a for a in seen.values() if REPORT in a or "--token" in a], seen
     run = [r for r in web["client"].get("/api/v1/runs").json() if r["host"] and r["ranks"] == 2][0]
     assert run["status"] == "completed" and run["step"] == 3
+
+
+REFUSED = """
+import json, signal, sys, time
+from pathlib import Path
+from daemon.report import HttpSink
+asked = []
+signal.signal(signal.SIGTERM, lambda *_: asked.append(time.monotonic()))  # the engine's stop, as in `molt train`
+sink = HttpSink(sys.argv[2], "", {"env": "max_digit", "loop": {"steps": 2}}, Path(sys.argv[1]), resume=True,
+                flush_every=0.05)
+sink.metrics(1, {"reward_mean": 1.0})
+deadline = time.monotonic() + 60
+while not asked and time.monotonic() < deadline:
+    time.sleep(0.05)
+ending = time.monotonic()
+sink.end("stopped")
+print(json.dumps({"stopped": bool(asked), "end_s": time.monotonic() - ending}))
+"""
+
+
+def test_a_process_whose_run_the_dashboard_refuses_stops_keeps_its_records_and_does_not_wait(web, tmp_path):
+    """`molt train --resume` of a completed run with no more steps: /attempts answers 409. The process stops (as at
+    a stop from the dashboard) and ends at once, its records kept in the spool, instead of retrying for minutes."""
+    run_id, token = external(web)
+    ingest(web, run_id, token, [metrics(0), metrics(1), {"t": "end", "time": time.time(), "status": "completed"}])
+    (tmp_path / "report.json").write_text(json.dumps({"url": web["base"], "run_id": run_id, "ingest_token": token}))
+    proc = subprocess.run([sys.executable, "-c", REFUSED, str(tmp_path), web["base"]], capture_output=True, text=True,
+                          cwd=ROOT, env=child_env(tmp_path / "home"), timeout=120)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["stopped"] and result["end_s"] < 30, (result, proc.stderr[-2000:])
+    assert "takes no more records of this run" in proc.stderr and "is completed (2 steps)" in proc.stderr
+    spooled = [json.loads(line) for p in tmp_path.glob("report-spool-*.jsonl") for line in p.read_text().splitlines()]
+    assert {"metrics", "end"} <= {r["t"] for r in spooled}  # kept for a later --resume
+    assert len(web["client"].get(f"/api/v1/runs/{run_id}/attempts").json()) == 1
