@@ -51,8 +51,9 @@ class Worker:
 class Supervisor:
     """One per data directory (MOLT_HOME/daemon.lock). Every poll: watch the workers (exit, heartbeat, stop
     requests), reconcile runs marked active that have no worker here (adopt a live one, else restart), start due
-    restarts and queued runs up to `concurrency` and while the GPUs they ask for are free. All state is in the database; this object only caches the
-    workers it watches, so a daemon killed at any moment is replaced by a new one without losing anything."""
+    restarts and queued runs up to `concurrency` and while the GPUs they ask for are free. All state is in the
+    database; this object only caches the workers it watches, so a daemon killed at any moment is replaced by a new
+    one without losing anything."""
 
     def __init__(self, home: str | Path | None = None, *, concurrency: int = 1, heartbeat_timeout: float = 60.0,
                  poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 120.0,
