@@ -42,6 +42,7 @@ class Auth:
         self.token = token
         self.session = self._derive("session")
         self.csrf = self._derive("csrf")
+        self.report = self._derive("report")  # may register external runs, nothing else (`molt token --report`)
 
     def _derive(self, purpose: str) -> str:
         return hmac.new(self.token.encode(), purpose.encode(), hashlib.sha256).hexdigest()
@@ -51,6 +52,9 @@ class Auth:
 
     def _is_session(self, value: str | None) -> bool:
         return bool(value) and hmac.compare_digest(value.encode(), self.session.encode())
+
+    def is_report_token(self, value: str) -> bool:
+        return hmac.compare_digest(value.encode(), self.report.encode())
 
     def check_token(self, value: str | None) -> bool:
         return self._is_token(value)

@@ -43,7 +43,9 @@ def main(argv=None):
     t.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
                    help="node 0's address and a free port there, where the nodes meet (the same on every node)")
     t.add_argument("--report-to", metavar="URL", help="a dashboard to report this run to, as an external run")
-    t.add_argument("--token", default=os.environ.get("MOLT_TOKEN"), help="its token (default $MOLT_TOKEN)")
+    t.add_argument("--token", default=os.environ.get("MOLT_TOKEN"),
+                   help="its report token (`molt token --report` there) or its token; default $MOLT_TOKEN, better "
+                        "than this flag, which any user of the machine sees in `ps`")
     envs_option(t)
     t.set_defaults(func=cmd_train)
 
@@ -64,6 +66,12 @@ def main(argv=None):
     w = commands.add_parser("web", help="only the web app and REST API (run `molt daemon` beside it)")
     web_options(w)
     w.set_defaults(func=cmd_web)
+
+    k = commands.add_parser("token", help="print the dashboard's token; with --report its report token, which may "
+                                          "only register and report runs (for MOLT_TOKEN on a training machine)")
+    k.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
+    k.add_argument("--report", action="store_true", help="the report token (it changes with the token)")
+    k.set_defaults(func=cmd_token)
 
     # `molt daemon ...` hands its arguments to the daemon's own parser (molt daemon --help lists them)
     d = commands.add_parser("daemon", help="only the daemon that runs and supervises queued runs "
@@ -214,6 +222,15 @@ def shutdown(records, keeper, args):
     print("molt serve: stopped", flush=True)
 
 
+def cmd_token(args) -> int:
+    from daemon.db import data_home
+
+    from .auth import Auth, load_or_create_token
+    token = load_or_create_token(data_home(args.home))
+    print(Auth(token).report if args.report else token)
+    return 0
+
+
 def cmd_train(args) -> int:
     # transformers' own bars ("Loading weights", "Writing model shards") would break our progress line
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -287,11 +304,13 @@ def cmd_train(args) -> int:
         # where c10d would number the nodes in the order they arrive. Nodes are not replaced mid-run either way.
         where = ["--standalone"] if not nodes else [f"--nnodes={nodes}", f"--node-rank={args.node_rank}",
                                                    "--rdzv-backend=static", f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        if args.report_to:  # the ranks read it from there: on their command lines `ps` would show it to anyone
+            os.environ["MOLT_TOKEN"] = args.token
         try:
             # The ranks of every node read the config node 0 wrote (before its rendezvous, so before any rank starts)
             torchrun([*where, f"--nproc-per-node={cfg.dist.nproc}", "-m", "app.cli", "train",
                       "--config", str(out / "config.json"), "--out", str(out)] + ["--resume"] * args.resume
-                     + ["--report-to", args.report_to, "--token", args.token] * bool(args.report_to))
+                     + ["--report-to", args.report_to] * bool(args.report_to))
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             print(f"molt train: rank {rank} failed: {failure.message}", file=sys.stderr)
@@ -299,7 +318,7 @@ def cmd_train(args) -> int:
         return 0
     sink = ProgressSink(cfg.loop.steps) if rank == 0 else None
     if sink and args.report_to:  # delivered by a thread from a spool in `out`: training never waits on the dashboard
-        from daemon.sink import HttpSink
+        from daemon.report import HttpSink
         sink = HttpSink(args.report_to, args.token, cfg.model_dump(mode="json"), out, echo=sink,
                         ranks=int(os.environ.get("WORLD_SIZE", "1")), resume=args.resume)
     summary = {"status": "failed"}

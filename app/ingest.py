@@ -3,16 +3,17 @@ import secrets
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
 from daemon.db import add_event, digest, finish_run, set_run
-from daemon.models import ACTIVE, Attempt, Run, now
+from daemon.models import ACTIVE, TERMINAL, Attempt, Run, now
 from daemon.records import RunRequest
 from daemon.sink import write_records
+from molt_engine.config import ELSEWHERE, RunConfig
 
 from . import rest
 from .rest import RunId, _problem, authenticated, bearer, known_query, records_of
@@ -38,9 +39,15 @@ class Where(BaseModel):
 
 
 class ExternalRunBody(RunRequest, Where):
-    """A run trained elsewhere that reports here: its config, and where it trains."""
+    """A run trained elsewhere that reports here: its config, and where it trains. Only the config's schema is checked
+    here: its model, datasets and user envs are files on that machine, which the training process checks."""
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"config": {"env": "max_digit", "loop": {"steps": 60}}, "host": "gpu-node-7", "pid": 4242, "ranks": 1}]})
+
+    @field_validator("config", mode="wrap")
+    @classmethod
+    def _schema_only(cls, config, _handler):
+        return RunConfig.model_validate(config, context=ELSEWHERE)
 
 
 class ResumedBody(Where):
@@ -135,21 +142,38 @@ class Ingested(BaseModel):
 
 router = APIRouter(prefix="/api/v1", tags=["external runs"], dependencies=[Depends(known_query)],
                    responses=rest.router.responses)  # 400 not JSON, 422 invalid
-refused = {401: _problem("missing or unknown ingest token"), 403: _problem("the token belongs to another run")}
+refused = {401: _problem("missing or unknown ingest token"), 403: _problem("the token belongs to another run"),
+           409: _problem("the run has ended (or a resume would reopen a completed run)")}
+# A retried request whose first answer was lost (a timeout) must not do its work twice: the client sends one key
+# per request (as Stripe's and the IETF draft's Idempotency-Key), the same on every retry of it.
+IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=200, description=(
+    "the same on each retry of one request: a retry after a lost answer then creates nothing new"))]
 
 
-@router.post("/external-runs", status_code=201, response_model=Registered, dependencies=[Depends(authenticated)],
+def may_register(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(bearer)):
+    """The dashboard's report token (`molt token --report`: it may register runs, nothing else), or its token."""
+    if credentials is None or not request.app.state.auth.is_report_token(credentials.credentials):
+        authenticated(request)
+
+
+@router.post("/external-runs", status_code=201, response_model=Registered, dependencies=[Depends(may_register)],
              responses={401: _problem("missing or wrong token"), 403: _problem("cross-site request")})
-def register(request: Request, body: ExternalRunBody):
+def register(request: Request, body: ExternalRunBody, idempotency_key: IdempotencyKey = None):
     """Register a run that trains elsewhere and reports here (`molt train --report-to`): it shows as running, is
     never started, restarted or failed by the daemon, and is `unreachable` while its heartbeats are missing. Returns
-    the run and its ingest token (kept only as a hash here)."""
+    the run and its ingest token (kept only as a hash here). The same Idempotency-Key again returns the same run,
+    with a new ingest token (the first answer, and its token, were lost)."""
     token, cfg, t = secrets.token_urlsafe(32), body.config, now()
     with Session(records_of(request).engine) as s:
+        again = idempotency_key and s.scalar(select(Run.id).where(Run.idempotency_key == idempotency_key))
+        if again:
+            s.execute(update(Run).where(Run.id == again).values(ingest_token=digest(token)))
+            s.commit()
+            return {"run": records_of(request).get_run(again), "ingest_token": token}
         run = Run(name=(body.name or f"{cfg.env}@{body.host}-{time.strftime('%Y%m%d-%H%M%S')}").strip(),
                   tags=body.tags, config=cfg.model_dump(mode="json"), total_steps=cfg.loop.steps, max_restarts=0,
                   status="running", started_at=t, pid=body.pid, host=body.host, ranks=body.ranks,
-                  ingest_token=digest(token))
+                  ingest_token=digest(token), idempotency_key=idempotency_key)
         s.add(run)
         s.flush()
         s.add(Attempt(run_id=run.id, number=1, pid=body.pid, started_at=t, heartbeat_at=t))
@@ -178,7 +202,8 @@ def ingest_owner(request: Request, run_id: RunId,
 def ingest(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body: IngestBody):
     """Write a batch of an external run's records, idempotently (metrics per step and name, samples per step,
     alerts and events by their uid): a batch sent again changes nothing. An `end` record gives the run its final
-    status. The answer says whether a stop was requested."""
+    status. The answer says whether a stop was requested. An ended run takes no more records (409): its token
+    writes nothing after the end, except the batch that ended it sent again."""
     with Session(records_of(request).engine) as s:
         attempt = s.scalars(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.number.desc())).first()
         records, end = [], None
@@ -190,6 +215,10 @@ def ingest(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body
                 end = row
             else:
                 records.append(row)
+        status = s.scalar(select(Run.status).where(Run.id == run_id))
+        if status in TERMINAL and not (end and end["time"] == attempt.ended_at):
+            raise HTTPException(409, f"run {run_id} has ended ({status}): it takes no more records; "
+                                "`molt train --resume --report-to` goes on as a new attempt")
         beat = None if body.heartbeat_age is None else now() - body.heartbeat_age
         write_records(s.connection(), run_id, attempt.id, records, heartbeat=beat)
         if set_run(s, run_id, ("unreachable",), status="running"):
@@ -202,15 +231,25 @@ def ingest(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body
 
 
 @router.post("/runs/{run_id}/attempts", status_code=201, response_model=RunOut, responses=refused)
-def resume(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body: ResumedBody):
+def resume(request: Request, run_id: Annotated[int, Depends(ingest_owner)], body: ResumedBody,
+           idempotency_key: IdempotencyKey = None):
     """A new attempt of an external run whose process was restarted with `--resume`: the same run goes on from its
-    checkpoint, whatever its status (an attempt still open, its process gone, ends as lost)."""
+    checkpoint (an attempt still open, its process gone, ends as lost). A completed run goes on only to train
+    further (`steps` past its step); the same Idempotency-Key again opens no second attempt."""
     t = now()
     with Session(records_of(request).engine) as s:
+        if idempotency_key and s.scalar(select(Attempt.id).where(Attempt.run_id == run_id,
+                                                                 Attempt.idempotency_key == idempotency_key)):
+            return records_of(request).get_run(run_id)
+        run = s.get(Run, run_id)
+        if run.status == "completed" and not (body.steps and body.steps > run.step):
+            raise HTTPException(409, f"run {run_id} is completed ({run.step} steps): a resume must train further "
+                                f"(--steps more than {run.step})")
         s.execute(update(Attempt).where(Attempt.run_id == run_id, Attempt.ended_at.is_(None)).values(
             ended_at=t, cause="lost: another process resumed the run"))
         number = (s.scalar(select(func.max(Attempt.number)).where(Attempt.run_id == run_id)) or 0) + 1
-        s.add(Attempt(run_id=run_id, number=number, pid=body.pid, started_at=t, heartbeat_at=t))
+        s.add(Attempt(run_id=run_id, number=number, pid=body.pid, started_at=t, heartbeat_at=t,
+                      idempotency_key=idempotency_key))
         s.execute(update(Run).where(Run.id == run_id).values(
             status="running", finished_at=None, pid=body.pid, host=body.host, ranks=body.ranks,
             **({"total_steps": body.steps} if body.steps else {})))

@@ -249,7 +249,9 @@ def run_panel(request: Request, run_id: int, panel: str):
 def run_action(request: Request, run_id: int, action: str, csrf_token: Annotated[str | None, Form()] = None):
     check_csrf(request, csrf_token)
     records = request.app.state.records
-    calls = {"stop": records.stop_run, "resume": records.resume_run}
+    calls = {"stop": records.stop_run, "resume": records.resume_run,
+             "mark-stopped": lambda run_id: records.end_external_run(run_id, "stopped"),
+             "mark-failed": lambda run_id: records.end_external_run(run_id, "failed")}
     if action not in calls:
         raise HTTPException(404, f"no action {action}")
     error = None

@@ -20,7 +20,7 @@ from molt_engine.serving.agents import Agent
 from molt_engine.envs import ENVS, load_user_envs
 
 from .schemas import (AlertOut, AttemptOut, BadRequest, CheckpointOut, EnvInfo, EventOut, Health, Invalid, MetricsOut,
-                      Problem, RunBody, RunOut, RunPatch, SampleOut, SamplesOut, SampleStep)
+                      Problem, RunBody, RunEnd, RunOut, RunPatch, SampleOut, SamplesOut, SampleStep)
 from .series import encode_values
 
 RunId = Annotated[int, Path(ge=1, le=2**62, description="the run's id")]
@@ -285,6 +285,14 @@ def stop(request: Request, run_id: RunId):
 def resume(request: Request, run_id: RunId):
     """Queue a stopped, failed or tripped run again; it continues from its latest checkpoint."""
     return found(records_of(request).resume_run, run_id)
+
+
+@protected.post("/runs/{run_id}/end", response_model=RunOut, responses=conflict, tags=["runs"])
+def end(request: Request, run_id: RunId, body: RunEnd):
+    """Mark an external run that no longer reports (`unreachable`, or `stopping` without an answer) stopped or
+    failed: the daemon cannot end it, its process being elsewhere. A resume of an external run is refused (409): it
+    resumes only from its own machine, with `molt train --resume --report-to`."""
+    return found(records_of(request).end_external_run, run_id, body.status)
 
 
 @protected.get("/runs/{run_id}/wait", response_model=RunOut, responses=with_run, tags=["runs"])

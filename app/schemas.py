@@ -64,6 +64,12 @@ class RunOut(Out):
     next_start_at: float | None
 
 
+class RunEnd(BaseModel):
+    """The body of POST /api/v1/runs/{id}/end: the status an external run that no longer reports is given."""
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"examples": [{"status": "failed"}]})
+    status: Literal["stopped", "failed"]
+
+
 class RunPatch(BaseModel):
     """The body of PATCH /api/v1/runs/{id}: the fields to change; those left out stay as they are."""
     model_config = ConfigDict(strict=True, extra="forbid",

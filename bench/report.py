@@ -26,7 +26,8 @@ from sqlmodel import Session  # noqa: E402
 
 from daemon.models import Attempt, Metric  # noqa: E402
 from daemon.records import Records  # noqa: E402
-from daemon.sink import DbSink, HttpSink  # noqa: E402
+from daemon.report import HttpSink  # noqa: E402
+from daemon.sink import DbSink  # noqa: E402
 from molt_engine import train  # noqa: E402
 
 TOKEN = "bench-token"

@@ -13,5 +13,5 @@ def cli_main(argv=None) -> int:
     if argv[:1] == ["start"]:
         from .keeper import start_main
         return start_main(argv[1:])
-    from .supervisor import cli_main as main
+    from .cli import cli_main as main
     return main(argv)

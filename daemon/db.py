@@ -83,7 +83,7 @@ def upgrade(engine: Engine, home: Path, revision: str = "head"):
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    with file_lock(home / "migrate.lock"), engine.begin() as conn:
+    with file_lock(home / "migrate.lock"), engine.connect() as conn:
         cfg = alembic_config(conn)
         if revision == "head":
             heads = set(ScriptDirectory.from_config(cfg).get_heads())
@@ -92,7 +92,20 @@ def upgrade(engine: Engine, home: Path, revision: str = "head"):
                 return  # the common case, without loading env.py
             logging.getLogger("molt.daemon").info("migrating %s from %s to %s", home / "molt.db",
                                                   ",".join(sorted(current)) or "empty", ",".join(sorted(heads)))
-        command.upgrade(cfg, revision)
+        conn.commit()
+        # A migration that rebuilds a table others refer to (batch mode: copy, drop, rename) needs the foreign keys
+        # off, set outside any transaction (SQLite's own recipe for schema changes); they are checked at the end.
+        conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        conn.commit()
+        try:
+            command.upgrade(cfg, revision)
+            if broken := conn.exec_driver_sql("PRAGMA foreign_key_check").all():
+                raise RuntimeError(f"the migration broke foreign keys: {broken[:5]}")
+            conn.commit()
+        finally:
+            conn.rollback()  # what failed, if anything: the pragma below takes effect only outside a transaction
+            conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+            conn.commit()
 
 
 @contextmanager
@@ -174,3 +187,10 @@ def add_daemon_event(engine: Engine, kind: str, message: str, pid: int | None = 
     with Session(engine) as s:
         s.add(DaemonEvent(kind=kind, message=message, pid=pid, cause=cause))
         s.commit()
+
+
+def row_dict(row) -> dict:
+    """A table row as a plain dict (what the API shows)."""
+    # getattr, not model_dump(): it loads attributes that a commit expired (model_dump would silently drop them)
+    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
+

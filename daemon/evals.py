@@ -21,7 +21,7 @@ from sqlmodel import Session
 from molt_engine.config import RunConfig
 
 from .db import connect, data_home, hold_lock, lock_holder, run_dir
-from .models import ACTIVE, Evaluation, Run, Sample, now
+from .models import Evaluation, Run, Sample, now
 
 LIVE = ("running", "restarting", "stopping")    # a slot is taken: a worker lives or is about to
 ENDED = ("completed", "failed", "stopped")
@@ -220,8 +220,7 @@ class EvalWorkers:
                     status = "stopped" if e.status == "stopping" else "restarting"
                     s.execute(update(Evaluation).where(Evaluation.id == e.id).values(status=status, pid=None))
             s.commit()
-            runs = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE)))
-            free = self.sup.concurrency - runs - len(self.workers)
+            free = self.sup.free_slots(s)
             waiting = s.scalars(select(Evaluation).where(Evaluation.status.in_(("restarting", "queued")))
                                 .order_by(Evaluation.status != "restarting", Evaluation.id).limit(max(free, 0))).all()
             for e in waiting:

@@ -15,7 +15,8 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlmodel import Session
 
-from .records import KEEPER_LOCK, Records
+from .daemon_records import KEEPER_LOCK
+from .records import Records
 from .db import DAEMON_HANG_S, add_daemon_event, add_event, hold_lock
 from .models import ACTIVE, DaemonEvent, Run
 from .supervisor import INTERRUPTED

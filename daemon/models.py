@@ -25,7 +25,13 @@ def now() -> float:
     return time.time()
 
 
+# AUTOINCREMENT (sqlite_autoincrement): an id is never given again after a delete, so a link, a compare URL, a
+# webhook's text or an evaluation row naming a deleted run, evaluation or alert never opens another one.
+NEVER_REUSED = {"sqlite_autoincrement": True}
+
+
 class Run(SQLModel, table=True):
+    __table_args__ = NEVER_REUSED
     id: int | None = Field(default=None, primary_key=True)
     name: str
     status: str = Field(default="queued", index=True)  # see STATUSES; only the supervisor and api.py change it
@@ -52,6 +58,7 @@ class Run(SQLModel, table=True):
     host: str | None = None                # the machine it trains on; None for the daemon's own runs
     ranks: int | None = None               # its processes (world size)
     ingest_token: str | None = Field(default=None, index=True)  # sha256 of its run-scoped ingest token
+    idempotency_key: str | None = Field(default=None, unique=True)  # its registration's: a retry finds it
 
 
 class Attempt(SQLModel, table=True):
@@ -73,6 +80,7 @@ class Attempt(SQLModel, table=True):
     cause: str | None = Field(default=None, sa_column=Column(Text))
     error: str | None = Field(default=None, sa_column=Column(Text))
     log_path: str | None = None
+    idempotency_key: str | None = None     # an external run's resume request: a retry finds it
 
 
 class Metric(SQLModel, table=True):
@@ -138,6 +146,7 @@ class Checkpoint(SQLModel, table=True):
 
 
 class Alert(SQLModel, table=True):
+    __table_args__ = NEVER_REUSED
     id: int | None = Field(default=None, primary_key=True)
     run_id: int = Field(foreign_key="run.id", index=True)
     time: float = Field(default_factory=now)
@@ -207,6 +216,7 @@ class Evaluation(SQLModel, table=True):
     of `k` per prompt. `results` holds each finished episode by its position ([reward, success, env metrics]): a
     restarted worker runs only the missing ones. A run's evaluation also records its episodes as samples (kind
     "evaluation", step = this id)."""
+    __table_args__ = NEVER_REUSED
     id: int | None = Field(default=None, primary_key=True)
     run_id: int | None = Field(default=None, foreign_key="run.id", index=True)  # the source run, if any
     checkpoint: str | None = None          # as asked: best, final, latest or a step number

@@ -1,4 +1,4 @@
-"""The records, for the app and for scripts: create, list, stop, resume and read runs (one class, Records)."""
+"""The records for the app and scripts: create, list, stop, resume and read runs (Records, with *_records.py)."""
 import math
 import shutil
 import time
@@ -7,18 +7,18 @@ from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import delete, func, select, text, tuple_
+from sqlalchemy import delete, func, select, text, update
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
 
-from .db import DAEMON_HANG_S, add_daemon_event, add_event, connect, data_home, lock_holder, run_dir, set_run
-from .models import (ACTIVE, OUTCOMES, STATUSES, TERMINAL, Alert, Attempt, Checkpoint, DaemonEvent, Event, Metric,
-                     Evaluation, MetricBucket, PolicyVersion, Run, Sample, now)
+from .daemon_records import DaemonRecords
+from .db import add_event, connect, data_home, row_dict, run_dir, set_run
+from .models import (ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, Evaluation, MetricBucket,
+                     PolicyVersion, Run, Sample, now)
+from .sample_records import SampleRecords
 
-LIVE_METRICS = ("reward_mean", "samples_per_s", "staleness_mean", "staleness_max")
 RUN_SORTS = ("created", "status", "env", "model", "steps", "duration", "best_eval")
-KEEPER_LOCK = "keeper.lock"   # held by the `molt serve` that keeps the daemon alive (daemon/keeper.py)
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
 
@@ -44,7 +44,7 @@ class Conflict(ValueError):
     """The run's status does not allow the request (e.g. resume a completed run)."""
 
 
-class Records:
+class Records(SampleRecords, DaemonRecords):
     """Everything the app needs, over the database in the data directory (migrated on open). The daemon need not
     run: requests are records (a queued run, a `stopping` status) that the daemon acts on within a poll interval.
     Rows come back as plain dicts; times are unix seconds; a metric value of NaN comes back as float('nan')."""
@@ -70,7 +70,7 @@ class Records:
             s.add(run)
             s.flush()  # the id, for the event; one commit then makes both visible to the daemon together
             add_event(s, run.id, "queued", f"run queued: {run.name}")
-            queued = self._run_dict(s, _dict(run))  # as queued: the daemon may start it once committed
+            queued = self._run_dict(s, row_dict(run))  # as queued: the daemon may start it once committed
             s.commit()
             return queued
 
@@ -160,7 +160,7 @@ class Records:
     def get_run(self, run_id: int) -> dict:
         with Session(self.engine) as s:
             best = s.scalar(select(func.max(Metric.value)).where(Metric.run_id == run_id, Metric.name == "eval_reward"))
-            return {**self._run_dict(s, _dict(self._get(s, run_id))), "best_eval": best}
+            return {**self._run_dict(s, row_dict(self._get(s, run_id))), "best_eval": best}
 
     def stop_run(self, run_id: int) -> dict:
         """A queued run stops at once; a running one becomes `stopping`: the daemon sends SIGTERM, the worker
@@ -183,6 +183,9 @@ class Records:
         with a fresh restart budget. Idempotent for a run that is already queued or active."""
         with Session(self.engine) as s:
             run = self._get(s, run_id)
+            if run.host is not None:  # its checkpoints and process are on that machine: training it here would fork it
+                raise Conflict(f"run {run_id} is an external run on {run.host}: it resumes only from its own machine, "
+                               "with `molt train --resume --report-to URL --out DIR` there")
             if set_run(s, run_id, ("stopped", "failed", "tripped"), status="queued", retries=0, finished_at=None,
                        next_start_at=None):
                 add_event(s, run_id, "resume_requested", "resume requested: continues from the latest checkpoint")
@@ -191,6 +194,28 @@ class Records:
                 if run.status in ("completed", "stopping"):
                     raise Conflict(f"run {run_id} is {run.status}: cannot resume"
                                    + (" until it has stopped" if run.status == "stopping" else ""))
+            s.commit()
+        return self.get_run(run_id)
+
+    def end_external_run(self, run_id: int, status: str) -> dict:
+        """Mark an external run that no longer reports (`unreachable`, or `stopping` with no answer) `stopped` or
+        `failed`: nobody else can end it, since its process is on a machine the daemon does not watch. Its open
+        attempt is closed and its ingest token stops working, as at any end; `molt train --resume` goes on later."""
+        if status not in ("stopped", "failed"):
+            raise ValueError(f"status must be stopped or failed, not {status!r}")
+        with Session(self.engine) as s:
+            run = self._get(s, run_id)
+            why = f"marked {status} from the dashboard: it no longer reported ({run.status})"
+            if run.host is None:
+                raise Conflict(f"run {run_id} is not an external run: stop it instead")
+            if not set_run(s, run_id, ("unreachable", "stopping"), status=status, pid=None, finished_at=now(),
+                           last_error=why if status == "failed" else run.last_error):
+                raise Conflict(f"run {run_id} is {run.status}: only an unreachable or stopping external run can be "
+                               "marked ended" + (" (it still reports: stop it instead)" if run.status == "running"
+                                                 else ""))
+            s.execute(update(Attempt).where(Attempt.run_id == run_id, Attempt.ended_at.is_(None)).values(
+                ended_at=now(), cause=why, end_step=run.step))
+            add_event(s, run_id, status, why)
             s.commit()
         return self.get_run(run_id)
 
@@ -240,7 +265,7 @@ class Records:
                 raise RunNotFound(f"alert {alert_id} of run {run_id}")
             alert.acknowledged = True
             s.commit()
-            return _dict(alert)  # reloaded after the commit
+            return row_dict(alert)  # reloaded after the commit
 
     def events(self, run_id: int, after_id: int | None = None, kind: str | None = None) -> list[dict]:
         query = select(Event).where(Event.run_id == run_id, *([Event.kind == kind] if kind else []))
@@ -259,59 +284,6 @@ class Records:
         return self._rows(run_id, select(PolicyVersion).where(PolicyVersion.run_id == run_id)
                           .order_by(PolicyVersion.version), None)
 
-    def samples(self, run_id: int, limit: int = 50, cursor: int | None = None, newest_first: bool = False,
-                **filters) -> list[dict]:
-        """Recorded episodes, filtered (`sample_query`), a page of them (`sample_page`)."""
-        with Session(self.engine) as s:
-            self._get(s, run_id)
-            return self.sample_page(s, self.sample_query(run_id, **filters), limit, cursor, newest_first)
-
-    @staticmethod
-    def sample_page(s: Session, query, limit: int, cursor: int | None = None, newest_first: bool = False):
-        """In the order recorded, or newest step first (an eval may be recorded after later steps), after `cursor`."""
-        if cursor is not None:  # the id of the last one already seen
-            step = select(Sample.step).where(Sample.id == cursor).scalar_subquery()
-            after = tuple_(Sample.step, Sample.id) < tuple_(step, cursor) if newest_first else Sample.id > cursor
-            query = query.where(after)
-        order = (Sample.step.desc(), Sample.id.desc()) if newest_first else (Sample.id,)
-        return [_dict(r) for r in s.scalars(query.order_by(*order).limit(limit))]
-
-    def count_samples(self, run_id: int, **filters) -> int:
-        """How many recorded episodes pass the filters (`sample_query`)."""
-        with Session(self.engine) as s:
-            self._get(s, run_id)
-            return s.scalar(select(func.count()).select_from(self.sample_query(run_id, **filters).subquery()))
-
-    @staticmethod
-    def sample_query(run_id: int, step: int | None = None, kind: str | None = None, min_reward: float | None = None,
-                     passed: bool | None = None, tool_errors: bool | None = None, q: str | None = None,
-                     prompt: str | None = None):
-        """The run's episodes that pass the filters: `q` matches the text (ASCII, any case), `prompt` exactly."""
-        query = select(Sample).where(Sample.run_id == run_id)
-        if step is not None:
-            query = query.where(Sample.step == step)
-        if kind is not None:
-            query = query.where(Sample.kind == kind)
-        if min_reward is not None:
-            query = query.where(Sample.reward >= min_reward)
-        if passed is not None:
-            query = query.where(Sample.success == passed)
-        if tool_errors is not None:
-            query = query.where((Sample.tool_errors > 0) == tool_errors)
-        if q:
-            query = query.where(Sample.text.contains(q, autoescape=True))
-        if prompt is not None:
-            query = query.where(Sample.prompt == prompt)
-        return query
-
-    def sample_steps(self, run_id: int) -> list[dict]:
-        """The steps that have samples: {step, kind, count}, by step."""
-        query = (select(Sample.step, Sample.kind, func.count()).where(Sample.run_id == run_id)
-                 .group_by(Sample.step, Sample.kind).order_by(Sample.step, Sample.kind))
-        with Session(self.engine) as s:
-            self._get(s, run_id)
-            return [{"step": st, "kind": k, "count": n} for st, k, n in s.execute(query)]
-
     def log_path(self, run_id: int, attempt: int | None = None) -> Path | None:
         """The log (stdout + stderr) of an attempt, by number; the latest by default."""
         q = select(Attempt.log_path).where(Attempt.run_id == run_id)
@@ -328,68 +300,6 @@ class Records:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - max_bytes))
             return f.read().decode(errors="replace")
-
-    def daemon_status(self) -> dict:
-        """Whether a daemon owns this data directory (it holds MOLT_HOME/daemon.lock) and is alive (it touched the
-        lock within DAEMON_HANG_S), its pid, the seconds since that touch, how often it went down, its latest event
-        (started, stopped, start_requested, or down with the cause), whether it is `stopped` on request (none runs
-        and the last one recorded its stop: nobody restarts it until a start is requested), and whether a
-        `molt serve` keeps it (`kept`: it starts the daemon when asked)."""
-        path = self.home / "daemon.lock"
-        holder = lock_holder(path)
-        age = None
-        if holder is not None:
-            try:
-                age = max(0.0, now() - path.stat().st_mtime)
-            except FileNotFoundError:  # removed while held: the daemon is going away
-                holder = None
-        with Session(self.engine) as s:
-            last = s.scalars(select(DaemonEvent).order_by(DaemonEvent.id.desc()).limit(1)).first()
-            downs = s.scalar(select(func.count()).where(DaemonEvent.kind == "down"))
-        return {"running": holder is not None, "alive": age is not None and age <= DAEMON_HANG_S,
-                "pid": int(holder) if holder and holder.isdigit() else None, "heartbeat_age": age,
-                "restarts": downs, "last_event": _dict(last) if last else None, "home": str(self.home),
-                "stopped": holder is None and last is not None and last.kind == "stopped",
-                "kept": lock_holder(self.home / KEEPER_LOCK) is not None}
-
-    def request_daemon_start(self, by: str):
-        """Ask for the daemon again after a stop: the `molt serve` that keeps it (see `kept`) starts it."""
-        add_daemon_event(self.engine, "start_requested", f"start requested by {by}")
-
-    def daemon_events(self, limit: int = 50) -> list[dict]:
-        """The daemon's timeline, newest first."""
-        with Session(self.engine) as s:
-            return [_dict(e) for e in s.scalars(select(DaemonEvent).order_by(DaemonEvent.id.desc()).limit(limit))]
-
-    def overview(self) -> dict:
-        """What an operator watches (the /metrics endpoint): runs per status, the daemon's restarts and the workers'
-        unclean ends by cause, and per running run its step, latest reward, samples/s and staleness and its
-        breaker trips."""
-        with Session(self.engine) as s:
-            by_status = dict(s.execute(select(Run.status, func.count()).group_by(Run.status)).all())
-            daemon_downs = s.execute(select(DaemonEvent.cause, func.count()).where(DaemonEvent.kind == "down")
-                                     .group_by(DaemonEvent.cause)).all()
-            worker_ends = s.execute(select(Attempt.cause, func.count()).where(
-                Attempt.ended_at.is_not(None), Attempt.cause.not_in(OUTCOMES)).group_by(Attempt.cause)).all()
-            running = s.scalars(select(Run).where(Run.status == "running").order_by(Run.id)).all()
-            latest = {r.id: {} for r in running}
-            for run in running:  # one index seek per value: (run_id, name, step) is unique
-                for name in LIVE_METRICS:
-                    row = s.execute(select(Metric.value).where(Metric.run_id == run.id, Metric.name == name)
-                                    .order_by(Metric.step.desc()).limit(1)).first()
-                    if row:
-                        latest[run.id][name] = math.nan if row.value is None else row.value
-            trips = dict(s.execute(select(Alert.run_id, func.count()).where(Alert.kind == "breaker")
-                                   .group_by(Alert.run_id)).all())
-        causes: dict[str, int] = {}
-        for cause, n in worker_ends:  # "ValueError: <message>" -> "ValueError": one label value per kind of end
-            key = (cause or "unknown").split(":")[0][:60]
-            causes[key] = causes.get(key, 0) + n
-        return {"runs_by_status": {status: by_status.get(status, 0) for status in STATUSES},
-                "daemon_restarts": {cause or "unknown": n for cause, n in daemon_downs},
-                "worker_restarts": causes,
-                "running": [{"id": r.id, "name": r.name, "step": r.step, "latest": latest[r.id],
-                             "breaker_trips": trips.get(r.id, 0)} for r in running]}
 
     def run_dir(self, run_id: int) -> Path:
         return run_dir(self.home, run_id)
@@ -409,10 +319,10 @@ class Records:
                 q = q.where(model.id > after_id)
         with Session(self.engine) as s:
             self._get(s, run_id)
-            return [_dict(r) for r in s.scalars(q)]
+            return [row_dict(r) for r in s.scalars(q)]
 
     def _run_dict(self, s: Session, run: dict, open_alerts: int | None = None) -> dict:
-        """A run's row (`_dict`) as the API shows it: its open alerts counted, its pid only while it is active, and
+        """A run's row (`row_dict`) as the API shows it: its open alerts counted, its pid only while it is active, and
         never its ingest token's hash (a hash, but of a credential)."""
         if open_alerts is None:
             open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run["id"], ~Alert.acknowledged))
@@ -442,9 +352,3 @@ def extremes(values: np.ndarray, max_points: int | None) -> np.ndarray:
         nans = np.concatenate([nan, np.zeros(pad, bool)]).reshape(buckets, size)
         keep.append((offsets + nans.argmax(axis=1))[nans.any(axis=1)])
     return np.unique(np.concatenate(keep))
-
-
-def _dict(row) -> dict:
-    # getattr, not model_dump(): it loads attributes that a commit expired (model_dump would silently drop them)
-    return {c.name: getattr(row, c.name) for c in row.__table__.columns}
-

@@ -1,5 +1,4 @@
 """The daemon: starts queued runs as worker processes, watches heartbeats and exits, restarts, reconciles."""
-import argparse
 import json
 import logging
 import os
@@ -16,9 +15,9 @@ from sqlalchemy import func, select, update
 from sqlmodel import Session
 
 from .evals import EvalWorkers
-from .db import (add_daemon_event, add_event, connect, data_home, finish_run, hold_lock, lock_holder, run_dir,
-                 set_run)
-from .models import ACTIVE, OUTCOMES, Alert, Attempt, Run, now
+from .db import add_daemon_event, add_event, connect, data_home, hold_lock, lock_holder, run_dir, set_run
+from .models import ACTIVE, OUTCOMES, Attempt, Run, now
+from .restarts import decide
 from .sink import replay_spools
 from .worker import DUPLICATE
 
@@ -52,8 +51,9 @@ class Worker:
 class Supervisor:
     """One per data directory (MOLT_HOME/daemon.lock). Every poll: watch the workers (exit, heartbeat, stop
     requests), reconcile runs marked active that have no worker here (adopt a live one, else restart), start due
-    restarts and queued runs up to `concurrency` and while the GPUs they ask for are free. All state is in the database; this object only caches the
-    workers it watches, so a daemon killed at any moment is replaced by a new one without losing anything."""
+    restarts and queued runs up to `concurrency` and while the GPUs they ask for are free. All state is in the
+    database; this object only caches the workers it watches, so a daemon killed at any moment is replaced by a new
+    one without losing anything."""
 
     def __init__(self, home: str | Path | None = None, *, concurrency: int = 1, heartbeat_timeout: float = 60.0,
                  poll: float = 0.5, backoff: float = 2.0, backoff_max: float = 60.0, stop_grace: float = 120.0,
@@ -182,6 +182,8 @@ class Supervisor:
         if w and w.log:
             w.log.close()
         replay_spools(self.engine, run_id, run_dir(self.home, run_id))  # what it reported but never committed
+        # A worker placed on Ray removes its attempt file (the ingest token inside) as it ends: not if SIGKILLed
+        (run_dir(self.home, run_id) / f"attempt-{attempt_id}.json").unlink(missing_ok=True)
         sig = signal.Signals(-rc).name if rc is not None and rc < 0 else None
         with Session(self.engine) as s:
             attempt = s.get(Attempt, attempt_id)
@@ -207,55 +209,12 @@ class Supervisor:
             ended_at = func.coalesce(Attempt.ended_at, now())  # the worker's own record of its end, if it made one
             s.execute(update(Attempt).where(Attempt.id == attempt_id).values(
                 ended_at=ended_at, exit_code=rc, signal=sig, cause=cause, end_step=end_step))
+            s.execute(update(Run).where(Run.id == run_id).values(ingest_token=None))  # its rank 0's on Ray, if any
             s.commit()
             attempt.end_step = end_step
             if rc != DUPLICATE:
-                self.decide(s, run_id, attempt, cause, terminal, counted)
+                decide(s, run_id, attempt, cause, terminal, counted, self.backoff, self.backoff_max)
             s.commit()
-
-    def decide(self, s: Session, run_id: int, attempt: Attempt, cause: str, terminal: str | None, counted: bool):
-        """The restart budget counts failed attempts in a row that made no new progress: an attempt that trained
-        past the furthest step of all earlier attempts starts the count again. So a long run survives any number
-        of isolated kills, while one that dies at the same place every time fails after max_restarts restarts."""
-        error = cause + (f"\n{attempt.error}" if attempt.error and attempt.error not in cause else "")
-        before = s.scalar(select(func.max(Attempt.end_step)).where(Attempt.run_id == run_id,
-                                                                   Attempt.number < attempt.number)) or 0
-        progressed = (attempt.end_step or 0) > before
-        for _ in range(5):  # each update is conditional on the status we read: if the API changed it, re-decide
-            run = s.get(Run, run_id, populate_existing=True)
-            t, n = now(), attempt.number
-            retries = 1 if progressed else run.retries + 1
-            if run.status not in ACTIVE:
-                return  # the worker recorded its own end (finish_run), or the API changed the run meanwhile
-            if terminal or run.status == "stopping":
-                status = terminal or "stopped"
-                if finish_run(s, run_id, status, cause, n, (run.status,)):
-                    log.info("run %d: %s", run_id, status)
-                    return
-            elif not counted:
-                if set_run(s, run_id, (run.status,), status="restarting", pid=None, next_start_at=t,
-                           restarts=run.restarts + 1):
-                    add_event(s, run_id, "restarting", f"attempt {n} ended: {cause}; restarting now", attempt=n)
-                    return
-            elif retries <= run.max_restarts:
-                delay = min(self.backoff_max, self.backoff * 2 ** (retries - 1))
-                if set_run(s, run_id, (run.status,), status="restarting", pid=None, next_start_at=t + delay,
-                           retries=retries, restarts=run.restarts + 1, last_error=error):
-                    message = (f"attempt {n} died at step {attempt.end_step}: {cause}; restart {retries} of "
-                               f"{run.max_restarts} in {delay:.1f}s from the latest checkpoint")
-                    s.add(Alert(run_id=run_id, kind="worker", message=message, data={"attempt": n, "cause": cause}))
-                    add_event(s, run_id, "restarting", message, attempt=n, delay=delay)
-                    log.warning("run %d: %s", run_id, message)
-                    return
-            else:
-                if set_run(s, run_id, (run.status,), status="failed", pid=None, finished_at=t, next_start_at=None,
-                           retries=retries, last_error=error):
-                    message = (f"attempt {n} died at step {attempt.end_step}: {cause}; {run.max_restarts} restarts "
-                               f"without progress used up: run failed")
-                    s.add(Alert(run_id=run_id, kind="worker", message=message, data={"attempt": n, "cause": cause}))
-                    add_event(s, run_id, "failed", message, attempt=n)
-                    log.error("run %d: %s", run_id, message)
-                    return
 
     # ---- reconciling ----------------------------------------------------------------------------------------------
 
@@ -308,19 +267,27 @@ class Supervisor:
         wait holds back the ones after it, so a large run is never starved by small ones."""
         with Session(self.engine) as s:
             due = s.scalars(select(Run).where(Run.status == "restarting", Run.next_start_at <= now(),
-                                              Run.id.not_in(list(self.workers))).order_by(Run.id)).all()
+                                              Run.host.is_(None), Run.id.not_in(list(self.workers)))
+                            .order_by(Run.id)).all()
             for run in due:
                 if not self.refused(s, run, "restarting") and self.gpus_needed(run) <= len(self.free_gpus()):
                     self.start(s, run)
-            active = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
-            free = self.concurrency - active - len(self.evals.workers)
-            if free > 0:
-                for run in s.scalars(select(Run).where(Run.status == "queued").order_by(Run.id).limit(free)).all():
+            free = self.free_slots(s)
+            if free > 0:  # an external run is never started here (it resumes on its own machine)
+                for run in s.scalars(select(Run).where(Run.status == "queued", Run.host.is_(None)).order_by(Run.id)
+                                     .limit(free)).all():
                     if self.refused(s, run, "queued"):
                         continue
                     if self.gpus_needed(run) > len(self.free_gpus()):
                         break
                     self.start(s, run)
+
+    def free_slots(self, s: Session) -> int:
+        """The slot rule, for runs and evaluations alike: `concurrency` workers at once, a slot per active run of this
+        daemon and per evaluation worker. External runs hold none: they train elsewhere (one whose process died
+        must not block this daemon's work)."""
+        local = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
+        return self.concurrency - local - len(self.evals.workers)
 
     def refused(self, s: Session, run: Run, status: str) -> bool:
         """A run that could never start on this daemon (e.g. a restart after the daemon came back without its Ray
@@ -402,49 +369,3 @@ def visible_gpus() -> list[str]:
         return []
     import torch
     return [str(i) for i in range(torch.cuda.device_count())]
-
-
-def cli_main(argv=None) -> int:
-    """`molt daemon` / `python -m daemon`: supervise until SIGTERM or Ctrl-C."""
-    p = argparse.ArgumentParser(prog="molt daemon", description="Run queued training runs as supervised workers. "
-                                                     "`molt daemon stop --home DIR` stops one gracefully.")
-    p.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
-    p.add_argument("--concurrency", type=int, default=1, help="runs trained at once (default 1)")
-    p.add_argument("--heartbeat-timeout", type=float, default=float(os.environ.get("MOLT_HEARTBEAT_TIMEOUT", 60)),
-                   help="seconds without a heartbeat before a worker counts as hung and is restarted (default "
-                        "$MOLT_HEARTBEAT_TIMEOUT, else 60: `molt serve` passes it on to its daemon)")
-    p.add_argument("--backoff", type=float, default=2.0,
-                   help="seconds before the first restart; doubles with each further one (default 2)")
-    p.add_argument("--backoff-max", type=float, default=60.0)
-    p.add_argument("--stop-grace", type=float, default=120.0,
-                   help="seconds a stopping worker gets to finish its step, checkpoint and exit before SIGKILL "
-                        "(default 120)")
-    p.add_argument("--envs", action="append", metavar="DIR",
-                   help="a directory of your own envs (*.py), repeatable; default $MOLT_ENVS. Every worker loads it")
-    p.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the database (default 0.5)")
-    p.add_argument("--gpus", help="comma-separated GPU ids the daemon gives its runs' workers, e.g. 0,1; "
-                                  "'' = none (default: every visible GPU)")
-    p.add_argument("--ray", metavar="ADDRESS", default=os.environ.get("MOLT_RAY_ADDRESS") or None,
-                   help="place runs on this Ray cluster (auto, or HOST:PORT) instead of this machine; default "
-                        "$MOLT_RAY_ADDRESS")
-    a = p.parse_args(argv)
-    if a.concurrency < 1:
-        p.error("--concurrency must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    if a.envs or os.environ.get("MOLT_ENVS"):  # else the daemon needs nothing of the engine
-        from molt_engine.envs import load_user_envs
-        for error in load_user_envs(a.envs).values():  # said at start; a run naming it is refused at submit
-            log.error("env file failed to load: %s", error)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    sup = Supervisor(a.home, concurrency=a.concurrency, heartbeat_timeout=a.heartbeat_timeout, poll=a.poll,
-                     backoff=a.backoff, backoff_max=a.backoff_max, stop_grace=a.stop_grace,
-                     gpus=None if a.gpus is None else [g.strip() for g in a.gpus.split(",") if g.strip()], ray=a.ray)
-    try:
-        sup.run(stop)
-    except DaemonRunning as e:
-        print(f"molt daemon: {e}", file=sys.stderr)
-        return 1
-    return 0

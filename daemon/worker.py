@@ -14,7 +14,8 @@ from sqlmodel import Session
 
 from .db import connect, data_home, finish_run, hold_lock, run_dir
 from .models import ACTIVE, Attempt, Metric, Run, now
-from .sink import DbSink, HttpSink
+from .report import HttpSink
+from .sink import DbSink
 
 DUPLICATE = 75          # exit code: another worker of this run is alive (EX_TEMPFAIL); this one never started
 TRACEBACK_LINES = 40

@@ -11,6 +11,9 @@ __all__ = ["RunConfig", "ValidationError", "config_errors"]
 # Here rather than next to what they name, so that validating a config needs neither torch nor transformers.
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-vlm", "tiny-chat")     # built by models.PRESETS
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")      # advantage estimators that need group_size >= 2
+# The validation context of a config whose files are on another machine (an external run's, on the dashboard): the
+# schema only. Its model, datasets and user envs are checked by the training process, where they are.
+ELSEWHERE = {"files_elsewhere": True}
 
 
 class _Strict(BaseModel):
@@ -204,10 +207,10 @@ class SuiteConfig(_Strict):
 
     @field_validator("env")
     @classmethod
-    def _known_env(cls, v):
+    def _known_env(cls, v, info):
         from .envs import ENVS
         from .serving.agents import Agent
-        if issubclass(ENVS[RunConfig._known_env(v)], Agent):
+        if info.context != ELSEWHERE and issubclass(ENVS[RunConfig._known_env(v, info)], Agent):
             raise ValueError(f"env {v!r} is an agent, which needs the run's served endpoint: not in eval suites")
         return v
 
@@ -248,10 +251,11 @@ class RunConfig(_Strict):
 
     @field_validator("env")
     @classmethod
-    def _known_env(cls, v):
+    def _known_env(cls, v, info):
         from .envs import ENVS, LOAD_ERRORS, load_user_envs
-        if v not in ENVS:
-            load_user_envs()  # a user's env directory ($MOLT_ENVS), tried again: a file may have been fixed
+        if v in ENVS or info.context == ELSEWHERE:
+            return v
+        load_user_envs()  # a user's env directory ($MOLT_ENVS), tried again: a file may have been fixed
         if v not in ENVS:
             failed = f"; env files that failed to load: {'; '.join(LOAD_ERRORS.values())}" if LOAD_ERRORS else ""
             raise ValueError(f"unknown env {v!r}; known: {', '.join(sorted(ENVS))}{failed}")
@@ -271,7 +275,7 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _consistent(self):
+    def _consistent(self, info):
         if self.loop.group_size < 2 and self.algo.estimator in GROUP_ESTIMATORS:
             raise ValueError(f"loop.group_size must be >= 2 with the group estimator {self.algo.estimator!r}")
         if self.algo.minibatches > self.loop.groups_per_step:
@@ -283,6 +287,8 @@ class RunConfig(_Strict):
                              f"ranks (dist.nproc x dist.nnodes), into at least algo.minibatches "
                              f"({self.algo.minibatches}) groups each")
         from .envs import ENVS, make_env, where
+        if info.context == ELSEWHERE:
+            return self
         if ENVS[self.env].chat and not _has_chat_template(self.model):
             raise ValueError(f"env {self.env!r} speaks chat messages, but the policy's tokenizer has no chat template "
                              f"(use model.preset 'tiny-chat', or a model.path whose tokenizer has one)")
@@ -300,10 +306,10 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _suites_start(self):
+    def _suites_start(self, info):
         for i, suite in enumerate(self.eval.suites):  # the training env's checks, on each suite's env
             try:
-                self.model_copy(update={"env": suite.env, "env_args": suite.env_args})._consistent()
+                self.model_copy(update={"env": suite.env, "env_args": suite.env_args})._consistent(info)
             except ValueError as e:
                 raise ValueError(f"eval.suites.{i} ({suite.name}): {e}") from None
         return self
