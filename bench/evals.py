@@ -27,7 +27,8 @@ from sqlalchemy import update  # noqa: E402
 
 from daemon.db import run_dir, set_run  # noqa: E402
 from daemon import evals  # noqa: E402
-from daemon.evals import EvalRequest, eval_dir, evaluate, get_eval, queue_eval  # noqa: E402
+from daemon.eval_records import EvalRequest, eval_dir, get_eval, queue_eval  # noqa: E402
+from daemon.evals import evaluate  # noqa: E402
 from daemon.models import Evaluation  # noqa: E402
 from daemon.records import Records  # noqa: E402
 from molt_engine.config import RunConfig  # noqa: E402

@@ -19,6 +19,9 @@ BUSY_TIMEOUT_S = 30
 # it degraded and `molt serve` kills and restarts it. Above BUSY_TIMEOUT_S: a poll that waited out one busy database
 # statement is slow, not hung.
 DAEMON_HANG_S = 60.0
+# A worker's first heartbeat may take this long, whatever the heartbeat timeout: a multi-rank worker beats only
+# once its rank 0 runs (torchrun imported and started, then the ranks), which a busy machine stretches past 20 s.
+FIRST_BEAT_S = 120.0
 
 
 # Written by the dashboard (`molt serve`, `molt web`) while it listens: {"url": ...}. Ranks placed on Ray report

@@ -16,12 +16,13 @@ from sqlmodel import Session
 
 from app_support import ROOT, child_env, molt, serve
 from conftest import wait_until
-from daemon import supervisor
+from daemon import eval_jobs, supervisor
 from daemon.db import run_dir, set_run
-from daemon.evals import ENDED, EvalRequest, eval_dir, get_eval, pass_at_k, queue_eval, scores, stop_eval
+from daemon.eval_records import ENDED, EvalRequest, eval_dir, get_eval, queue_eval, stop_eval
 from daemon.models import Sample
 from daemon.records import Records
 from daemon.sink import DbSink
+from molt_engine.scores import pass_at_k, scores
 
 
 def test_pass_at_k_is_the_unbiased_estimator_on_a_hand_computed_table():
@@ -239,7 +240,7 @@ def queue(records: Records, run_id: int, **fields) -> int:
 
 def test_an_eval_worker_that_never_beats_is_killed_as_hung(policy, monkeypatch):
     records, run_id = policy
-    monkeypatch.setattr(supervisor, "FIRST_BEAT_S", 3.0)  # the daemon runs in this process: its first-beat limit
+    monkeypatch.setattr(eval_jobs, "FIRST_BEAT_S", 3.0)  # the daemon runs in this process: its first-beat limit
     eval_id = queue(records, run_id, episodes=4, max_restarts=0)
     sup = supervisor.Supervisor(records.home, heartbeat_timeout=1.0, poll=0.1, gpus=[])
     stop = threading.Event()
