@@ -11,6 +11,7 @@ from sqlmodel import Session
 
 from daemon import eval_records
 from daemon.eval_records import EvalInvalid, EvalRequest
+from daemon.models import Sample
 from daemon.records import Records
 
 from .rest import _problem, authenticated, known_query, records_of, sample_filters
@@ -144,7 +145,7 @@ def _samples_of(request: Request, eval_id: int, filters: dict):
     records = records_of(request)
     found = _found(eval_records.get_eval(records.engine, eval_id), eval_id)
     run_id, directory = found["run_id"] or 0, eval_records.eval_dir(records.home, eval_id)
-    query = Records.sample_query(run_id, **{**filters, "step": eval_id, "kind": "evaluation"})
+    query = Records.sample_query(run_id, **{**filters, "step": None, "kind": None}).where(Sample.eval_id == eval_id)
     if run_id:
         return run_id, records.engine, query
     return run_id, eval_records.samples_db(directory) if (directory / "samples.db").exists() else None, query

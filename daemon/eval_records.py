@@ -3,7 +3,7 @@ where an evaluation's files and a model section's samples are kept."""
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import create_engine, select, update
+from sqlalchemy import create_engine, inspect, select, update
 from sqlalchemy.pool import NullPool
 from sqlmodel import Session
 
@@ -51,6 +51,9 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
         raise EvalInvalid(("k",), f"k ({request.k}) is more than episodes ({request.episodes})")
     if request.episodes % request.k:
         raise EvalInvalid(("episodes",), f"episodes ({request.episodes}) must be a multiple of k ({request.k})")
+    if request.k > 1 and request.temperature == 0:  # greedy: a prompt's k samples are one reply k times
+        raise EvalInvalid(("k",), f"k ({request.k}) needs a temperature above 0: at temperature 0 a prompt's "
+                                  f"{request.k} samples are the same greedy reply, so pass@{request.k} would be pass@1")
     if request.dataset and (request.env or request.env_args):
         raise EvalInvalid(("dataset",), "give dataset or env/env_args, not both")
     step = path = None
@@ -147,4 +150,8 @@ def samples_db(directory: Path):
     table (run_id 0) in a database of its own in the evaluation's directory."""
     engine = create_engine(f"sqlite:///{directory / 'samples.db'}", poolclass=NullPool, connect_args={"timeout": 30})
     Sample.__table__.create(engine, checkfirst=True)
+    with engine.begin() as conn:  # made before samples had eval_id (migration 0010_eval_samples): all its own
+        if "eval_id" not in {c["name"] for c in inspect(conn).get_columns("sample")}:
+            conn.exec_driver_sql("ALTER TABLE sample ADD COLUMN eval_id INTEGER")
+            conn.execute(update(Sample).values(eval_id=Sample.step))
     return engine

@@ -83,7 +83,8 @@ async def evaluate(engine, eval_id: int, directory: Path):
         sample = None
         if ep is not None:
             r = record(ep, processor, 0)
-            sample = {"run_id": run_id or 0, "step": eval_id, "kind": "evaluation", "position": position,
+            sample = {"run_id": run_id or 0, "eval_id": eval_id, "step": eval_id, "kind": "evaluation",
+                      "position": position,
                       "group_id": prompt, "version": 0, "time": now(),
                       **{name: r[name] for name in ("seed", "reward", "success", "turns", "tool_calls",
                                                     "tool_errors", "prompt", "text", "tokens", "images")}}
@@ -126,15 +127,13 @@ async def evaluate(engine, eval_id: int, directory: Path):
 
 
 def eval_summary(results: dict, k: int) -> dict:
-    """The metrics of finished episodes (position -> [reward, success, env metrics, error]): the scores, the mean
-    reward's standard error, the errors, and the means of the env's own metrics over the episodes that report them."""
+    """The metrics of finished episodes (position -> [reward, success, env metrics, error]): the scores (with the
+    mean reward's standard error), the errors, and the means of the env's own metrics over the episodes that report
+    them."""
     ordered = [results[str(i)] for i in range(len(results))]
     prompts = [[(r[0], r[1]) for r in ordered[p:p + k]] for p in range(0, len(ordered), k)]
-    rewards = [r[0] for r in ordered]
-    mean = sum(rewards) / len(rewards)
-    spread = sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)  # the standard error, for comparing
-    return {**scores(prompts, k), "mean_reward_se": (spread / len(rewards)) ** 0.5, "episodes": len(ordered),
-            "errors": sum(r[3] is not None for r in ordered), **metric_means([r[2] for r in ordered])}
+    return {**scores(prompts, k), "episodes": len(ordered), "errors": sum(r[3] is not None for r in ordered),
+            **metric_means([r[2] for r in ordered])}
 
 
 if __name__ == "__main__":

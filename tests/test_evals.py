@@ -41,6 +41,11 @@ def test_pass_at_k_is_the_unbiased_estimator_on_a_hand_computed_table():
     assert got["pass@2"] == pytest.approx(((1 - 3 / 6) + 1.0 + 0.0) / 3)
     assert got["avg@2"] == pytest.approx((0.25 + 3.5 / 4 + 0.0) / 3)
     assert got["mean_reward"] == pytest.approx(4.5 / 12)
+    # its standard error clustered by prompt: the prompts' means 0.25, 0.875, 0 around 0.375 deviate by -0.125,
+    # 0.5, -0.375 (squares 0.40625 in all), over 3 - 1, over 3 prompts (12 independent episodes would say 0.139)
+    assert got["mean_reward_se"] == pytest.approx((0.40625 / 2 / 3) ** 0.5)
+    assert scores([[(1.0, True)], [(0.0, False)], [(0.5, False)]], 1)["mean_reward_se"] == pytest.approx(
+        ((0.25 + 0.25 + 0) / 2 / 3) ** 0.5)  # one sample a prompt: the plain standard error of the mean
 
 
 def fake_checkpoints(home: Path, run_id: int, steps: list[int]):
@@ -74,6 +79,8 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         invalid({"run_id": 999}, "run_id", "no run 999")
         invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 4, "k": 8}, "k", "more than episodes")
         invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 6, "k": 4}, "episodes", "multiple of k")
+        invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 8, "k": 4, "temperature": 0.0}, "k",
+                "k (4) needs a temperature above 0: at temperature 0")  # pass@4 would be pass@1
         invalid({"run_id": other["id"], "checkpoint": 5, "env": "no_such_env"}, "env", "unknown env 'no_such_env'")
         invalid({"model": {"preset": "huge"}, "env": "max_digit"}, "model", "unknown preset")
         invalid({"model": {"preset": "tiny-dense"}}, "env", "give env")
@@ -85,7 +92,7 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
 
         # a valid one is queued (201) and listed under its run; stopped while queued, it is stopped at once
         created = client.post("/api/v1/evals", json={"run_id": other["id"], "checkpoint": "latest", "episodes": 8,
-                                                     "k": 2})
+                                                     "k": 2, "temperature": 1.0})
         assert created.status_code == 201, created.text
         evaluation = created.json()
         assert evaluation["step"] == 10 and evaluation["config"]["env"] == "max_digit"
@@ -102,7 +109,7 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         page = client.get("/evals", params={"run_id": other["id"]})
         assert page.status_code == 200 and f'id="eval-{evaluation["id"]}"' in page.text and "stopped" in page.text
         csrf = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
-        form = {"run_id": other["id"], "checkpoint": "7", "episodes": 8, "k": 2, "temperature": 0, "csrf_token": csrf}
+        form = {"run_id": other["id"], "checkpoint": "7", "episodes": 8, "k": 2, "temperature": 1, "csrf_token": csrf}
         refused = client.post("/evals", data=form, headers={"Origin": studio.base})
         assert refused.status_code == 422 and "checkpoint: run" in refused.text and "at step 7" in refused.text
         queued = client.post("/evals", data={**form, "checkpoint": "5"}, headers={"Origin": studio.base})
@@ -378,3 +385,23 @@ def test_the_throughput_bench_measures_a_job_and_the_in_run_eval_on_the_same_epi
     assert result["episodes"] == 8 and result["in_flight"] == 4 and len(result["load"]) == 3
     assert result["job"] > 0 and result["in_run"] > 0 and result["job_episodes"] >= result["job"]
     assert result["ratio"] == pytest.approx(result["job"] / result["in_run"])
+
+
+def test_an_evaluations_samples_survive_its_runs_keep_steps(tmp_path):
+    from daemon.sink import write_records
+    records = Records(tmp_path)
+    run_id = run_with_a_policy(records)
+    episode = {"group": 0, "seed": 0, "version": 0, "reward": 1.0, "advantage": 0.0, "success": True, "turns": 1,
+               "tool_calls": 0, "tool_errors": 0, "prompt": "p", "text": "p a", "tokens": {}, "images": []}
+    evaluation = queue(records, run_id, episodes=4)  # its samples as its worker writes them: step = its id
+    with records.engine.begin() as conn:
+        conn.execute(Sample.__table__.insert(), [
+            {**{k: v for k, v in episode.items() if k not in ("group", "advantage")}, "group_id": 0, "position": i,
+             "run_id": run_id, "eval_id": evaluation, "step": evaluation, "kind": "evaluation", "time": 0.0}
+            for i in range(4)])
+        for step in range(evaluation, evaluation + 10):  # the run trains on, keeping its last 2 steps' samples
+            write_records(conn, run_id, 0, [{"t": "samples", "step": step, "kind": "train", "keep": 2, "time": 0.0,
+                                             "records": [episode]}])
+    with Session(records.engine) as s:
+        kept = s.execute(select(Sample.kind, Sample.step).where(Sample.run_id == run_id)).all()
+    assert sorted(kept) == [("evaluation", evaluation)] * 4 + [("train", evaluation + 8), ("train", evaluation + 9)]
