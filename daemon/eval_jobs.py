@@ -1,5 +1,5 @@
 """The supervisor's share of evaluation jobs: start queued ones in free slots and GPUs, watch their workers
-(heartbeat, stop requests), restart or record those that end, adopt those an earlier daemon left."""
+(progress, stop requests), restart or record those that end, adopt those an earlier daemon left."""
 import os
 import signal
 import subprocess
@@ -52,7 +52,7 @@ class EvalWorkers:
                 age = now() - max(beat or 0.0, w.started)
                 limit = self.sup.heartbeat_timeout if beat else max(self.sup.heartbeat_timeout, FIRST_BEAT_S)
                 if w.hang is None and age > limit:  # stopping or not: a hung worker would never end on SIGTERM
-                    w.hang = f"hang: no heartbeat for {age:.0f}s" if beat else f"hang: no first heartbeat in {age:.0f}s"
+                    w.hang = f"hang: no progress for {age:.0f}s" if beat else f"hang: no first heartbeat in {age:.0f}s"
                     _kill(w.pid, signal.SIGKILL)
                 elif status == "stopping" and not w.term:
                     _kill(w.pid, signal.SIGTERM)
@@ -128,7 +128,8 @@ def _kill(pid: int, sig: int):
 
 
 def heartbeat_at(home: Path, eval_id: int) -> float | None:
-    """When the evaluation's worker last beat (its heartbeat file's mtime); None before its first beat."""
+    """When the evaluation's worker last beat (its heartbeat file's mtime), which it does only when its progress
+    grows; None before its first beat."""
     try:
         return (eval_dir(home, eval_id) / "heartbeat").stat().st_mtime
     except FileNotFoundError:

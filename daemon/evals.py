@@ -109,13 +109,21 @@ async def evaluate(engine, eval_id: int, directory: Path):
         # so the recorded results only ever grow
         await asyncio.get_running_loop().run_in_executor(writer, save, position, prompt, ep, dict(results))
 
-    async def beat():  # from the event loop itself, as a run's worker beats: a blocked loop stops it
+    async def beat():
+        """The heartbeat carries progress (tokens sampled, episodes recorded) and beats only when it grows: a worker
+        whose episodes wait on something that never comes ends as a hung one, as a blocked event loop does."""
+        beaten = None
         while True:
-            (directory / "heartbeat").touch()
+            progress = f"{sampler.stats['tokens']} tokens sampled, {len(results)} episodes recorded"
+            if progress != beaten:
+                (directory / "heartbeat").write_text(progress)
+                beaten = progress
             await asyncio.sleep(1.0)
 
     async with asyncio.TaskGroup() as tg:
         tasks = [tg.create_task(sampler.run()), tg.create_task(beat())]
+        if rollout.server:  # an agent's requests come to a loopback OpenAI server, as in a run
+            tasks.append(tg.create_task(rollout.server.serve()))
         await asyncio.gather(*(one(i) for i in range(c["episodes"]) if str(i) not in results))
         for task in tasks:
             task.cancel()

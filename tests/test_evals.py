@@ -16,7 +16,7 @@ from sqlmodel import Session
 
 from app_support import ROOT, child_env, molt, serve
 from conftest import wait_until
-from daemon import eval_jobs, supervisor
+from daemon import eval_jobs, eval_records, supervisor
 from daemon.db import run_dir, set_run
 from daemon.eval_records import ENDED, EvalRequest, eval_dir, get_eval, queue_eval, stop_eval
 from daemon.models import Sample
@@ -279,7 +279,7 @@ def test_a_hung_eval_worker_is_killed_and_restarted_and_each_episode_recorded_on
         daemon.wait(30)
     assert running["done"] < 128, "finished before the hang: make it longer"
     assert final["status"] == "completed", final
-    assert final["restarts"] == 1 and final["last_error"].startswith("worker hang: no heartbeat for "), final
+    assert final["restarts"] == 1 and final["last_error"].startswith("worker hang: no progress for "), final
     assert not alive(running["pid"])
     assert final["metrics"]["episodes"] == 128 and final["done"] == 128
     assert recorded(records, eval_id) == list(range(128))
@@ -405,3 +405,53 @@ def test_an_evaluations_samples_survive_its_runs_keep_steps(tmp_path):
     with Session(records.engine) as s:
         kept = s.execute(select(Sample.kind, Sample.step).where(Sample.run_id == run_id)).all()
     assert sorted(kept) == [("evaluation", evaluation)] * 4 + [("train", evaluation + 8), ("train", evaluation + 9)]
+
+
+def test_an_agent_envs_evaluation_completes(tmp_path):
+    records = Records(tmp_path)  # its episodes' requests need the loopback server a run starts, the worker too
+    request = EvalRequest(model={"preset": "tiny-chat"}, env="calculator_agent", episodes=4, max_restarts=0)
+    eval_id = queue_eval(records.engine, records.home, request)["id"]
+    daemon = start_daemon(records.home)
+    try:
+        final = ended(records, eval_id, 240)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert final["status"] == "completed", final
+    assert final["metrics"]["episodes"] == 4 and final["metrics"]["errors"] == 0, final
+    with Session(eval_records.samples_db(eval_dir(records.home, eval_id))) as s:
+        assert sorted(s.scalars(select(Sample.position).where(Sample.eval_id == eval_id))) == [0, 1, 2, 3]
+
+
+STALLED_ENV = """
+import asyncio
+from molt_engine import Env, register
+
+@register
+class StalledEnv(Env):
+    name = "test_stalled_eval"
+
+    async def reset(self, seed):
+        await asyncio.Event().wait()  # what never comes; the worker's event loop goes on
+
+    async def step(self, action):
+        raise AssertionError("never reached")
+"""
+
+
+def test_an_eval_worker_whose_episodes_make_no_progress_ends_as_hung(tmp_path, monkeypatch):
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "stalled.py").write_text(STALLED_ENV)
+    monkeypatch.setenv("MOLT_ENVS", str(tmp_path / "envs"))  # here (the request is checked) and in the daemon
+    records = Records(tmp_path / "home")
+    request = EvalRequest(model={"preset": "tiny-dense"}, env="test_stalled_eval", episodes=2, max_restarts=0)
+    eval_id = queue_eval(records.engine, records.home, request)["id"]
+    daemon = start_daemon(records.home, "--heartbeat-timeout", "3")
+    try:
+        final = ended(records, eval_id, 120)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert final["status"] == "failed" and final["last_error"].startswith("worker hang: no progress for "), final
+    beat = (eval_dir(records.home, eval_id) / "heartbeat").read_text()
+    assert beat == "0 tokens sampled, 0 episodes recorded", "it beat once, loaded, and never progressed"
