@@ -63,7 +63,8 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
             raise EvalInvalid(("run_id",), f"no run {request.run_id}")
         if run:
             path, step = policy_of(run, home, request.checkpoint)
-            model = {**run.config["model"], "path": str(path)}
+            adapter = (path / "adapter_config.json").exists()  # a LoRA run's adapter: the worker loads it on its base
+            model = run.config["model"] if adapter else {**run.config["model"], "path": str(path)}
         else:
             model = request.model
         env = "dataset" if request.dataset else request.env or (run.config["env"] if run else None)
@@ -77,7 +78,8 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
             error = e.errors()[0]
             raise EvalInvalid(tuple(error["loc"]) or ("env",), error["msg"]) from None
         config = {"model": cfg.model.model_dump(mode="json"), "env": env, "env_args": env_args,
-                  **request.model_dump(include={"episodes", "k", "temperature", "seed"})}
+                  **request.model_dump(include={"episodes", "k", "temperature", "seed"}),
+                  **({"adapter": str(path), "base_seed": run.config["seed"]} if run and adapter else {})}
         evaluation = Evaluation(run_id=request.run_id, checkpoint=str(request.checkpoint) if run else None,
                                 step=step, policy_path=str(path) if path else cfg.model.path, config=config,
                                 max_restarts=request.max_restarts)
@@ -103,11 +105,13 @@ def policy_of(run: Run, home: Path, checkpoint: str | int) -> tuple[Path, int | 
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no checkpoints")
         return out / "checkpoints" / f"step-{steps[-1]:06d}" / "policy", steps[-1]
     if checkpoint in ("best", "final"):
-        if not (out / checkpoint / "config.json").exists():
+        # a full model; a LoRA run's without lora.save_merged: only its adapter
+        path = out / checkpoint if (out / checkpoint / "config.json").exists() else out / checkpoint / "adapter"
+        if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no {checkpoint} policy (best: written by its evals; "
                                                f"final: when it completes)")
         summary = run.summary or {}
-        return out / checkpoint, summary.get("best_step") if checkpoint == "best" else summary.get("step")
+        return path, summary.get("best_step") if checkpoint == "best" else summary.get("step")
     raise EvalInvalid(("checkpoint",), f'checkpoint must be "best", "final", "latest" or a step, not {checkpoint!r}')
 
 

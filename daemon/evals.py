@@ -51,6 +51,7 @@ def main(argv=None) -> int:
 
 
 async def evaluate(engine, eval_id: int, directory: Path):
+    from molt_engine import checkpoint
     from molt_engine.chat import stop_ids
     from molt_engine.envs import EVAL_SEEDS
     from molt_engine.models import load_policy
@@ -62,7 +63,11 @@ async def evaluate(engine, eval_id: int, directory: Path):
         e = s.get(Evaluation, eval_id)
         c, run_id, results = e.config, e.run_id, dict(e.results)
     cfg = RunConfig.model_validate({"env": c["env"], "env_args": c["env_args"], "model": c["model"], "seed": c["seed"]})
-    model, processor = load_policy(cfg.model, cfg.seed)
+    model, processor = load_policy(cfg.model, c.get("base_seed", cfg.seed))  # a LoRA run's base: built as it was
+    if c.get("adapter"):  # a LoRA run's checkpoint: its adapter on that base
+        checkpoint.load_adapter(Path(c["adapter"]), model)
+    if cfg.model.lora:  # the sampler decodes with the merged weights, as in a run
+        model = model.merge_and_unload()
     tokenizer = getattr(processor, "tokenizer", processor)
     stops = stop_ids(tokenizer, getattr(model, "generation_config", None))
     rollout = Rollout(cfg, processor, model.config.get_text_config().max_position_embeddings, stops)

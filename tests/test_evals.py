@@ -455,3 +455,29 @@ def test_an_eval_worker_whose_episodes_make_no_progress_ends_as_hung(tmp_path, m
     assert final["status"] == "failed" and final["last_error"].startswith("worker hang: no progress for "), final
     beat = (eval_dir(records.home, eval_id) / "heartbeat").read_text()
     assert beat == "0 tokens sampled, 0 episodes recorded", "it beat once, loaded, and never progressed"
+
+
+def test_a_lora_runs_steps_are_evaluated_as_its_adapter_on_its_base(tmp_path):
+    from molt_engine import train
+    records = Records(tmp_path)
+    config = {"env": "max_digit", "model": {"lora": {"r": 8}}, "warm_start": {"steps": 2}, "algo": {"lr": 3e-3},
+              "loop": {"steps": 2, "groups_per_step": 2, "group_size": 4, "eval_every": 0}, "checkpoint": {"every": 2}}
+    run_id = records.create_run(config, name="lora")["id"]
+    train(config, out_dir=run_dir(records.home, run_id))  # its step checkpoints hold the adapter alone
+    with records.engine.begin() as conn:
+        set_run(conn, run_id, status="completed", summary={"step": 2})
+    assert not (run_dir(records.home, run_id) / "checkpoints" / "step-000002" / "policy" / "config.json").exists()
+    evals = [queue_eval(records.engine, records.home, EvalRequest(run_id=run_id, checkpoint=checkpoint, episodes=8,
+                                                                  max_restarts=0))["id"]
+             for checkpoint in ("latest", "final")]  # greedy: the same policy gives the same episodes
+    daemon = start_daemon(records.home)
+    try:
+        finals = [ended(records, eval_id) for eval_id in evals]
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert [(f["status"], f["step"], f["restarts"]) for f in finals] == [("completed", 2, 0)] * 2, finals
+    with Session(records.engine) as s:
+        texts = [s.scalars(select(Sample.text).where(Sample.eval_id == e).order_by(Sample.position)).all()
+                 for e in evals]
+    assert len(texts[0]) == 8 and texts[0] == texts[1], "step 2's adapter on its base is the merged final policy"
