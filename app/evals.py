@@ -10,6 +10,7 @@ from sqlalchemy import func, select
 from sqlmodel import Session
 
 from daemon import eval_records
+from daemon.db import eval_dir
 from daemon.eval_records import EvalInvalid, EvalRequest
 from daemon.models import Sample
 from daemon.records import Records
@@ -144,7 +145,7 @@ def _samples_of(request: Request, eval_id: int, filters: dict):
     run's evaluation's are in the records; a model section's in its own database (None until it records one)."""
     records = records_of(request)
     found = _found(eval_records.get_eval(records.engine, eval_id), eval_id)
-    run_id, directory = found["run_id"] or 0, eval_records.eval_dir(records.home, eval_id)
+    run_id, directory = found["run_id"] or 0, eval_dir(records.home, eval_id)
     query = Records.sample_query(run_id, **{**filters, "step": None, "kind": None}).where(Sample.eval_id == eval_id)
     if run_id:
         return run_id, records.engine, query

@@ -40,6 +40,10 @@ def run_dir(home: Path, run_id: int) -> Path:
     return home / "runs" / str(run_id)
 
 
+def eval_dir(home: Path, eval_id: int) -> Path:
+    return home / "evals" / str(eval_id)
+
+
 def db_url(home: Path) -> str:
     return f"sqlite:///{home / 'molt.db'}"
 

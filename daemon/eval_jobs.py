@@ -1,6 +1,7 @@
 """The supervisor's share of evaluation jobs: start queued ones in free slots and GPUs, watch their workers
 (progress, stop requests), restart or record those that end, adopt those an earlier daemon left."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from typing import IO
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from .db import FIRST_BEAT_S, lock_holder
-from .eval_records import ENDED, LIVE, eval_dir
+from .db import FIRST_BEAT_S, eval_dir, lock_holder
+from .eval_records import ENDED, LIVE
 from .models import ACTIVE, Evaluation, Run, now
 
 
@@ -43,6 +44,8 @@ class EvalWorkers:
         with Session(engine) as s:
             for eval_id, w in list(self.workers.items()):
                 status = s.scalar(select(Evaluation.status).where(Evaluation.id == eval_id))
+                if status is None:  # deleted with its run: nothing of it is left to record
+                    _kill(w.pid, signal.SIGKILL)
                 alive = w.proc.poll() is None if w.proc else lock_holder(eval_dir(self.sup.home, eval_id)
                                                                          / "worker.lock") is not None
                 if not alive:
@@ -83,6 +86,9 @@ class EvalWorkers:
         if w.log:
             w.log.close()
         e = s.get(Evaluation, eval_id, populate_existing=True)
+        if e is None:  # deleted with its run: its files too, with what the worker wrote since
+            shutil.rmtree(eval_dir(self.sup.home, eval_id), ignore_errors=True)
+            return
         cause = w.hang or ("gone (adopted: exit status unknown)" if rc is None else
                            f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
         error = e.last_error if rc == 1 else f"worker {cause}"  # 1: it recorded its error

@@ -9,7 +9,7 @@ from sqlmodel import Session
 
 from molt_engine.config import RunConfig
 
-from .db import run_dir
+from .db import eval_dir, run_dir
 from .models import Evaluation, Run, Sample, now
 
 LIVE = ("running", "restarting", "stopping")    # a slot is taken: a worker lives or is about to
@@ -143,10 +143,6 @@ def stop_eval(engine, eval_id: int) -> bool:
                 s.commit()
                 return True
     return False
-
-
-def eval_dir(home: Path, eval_id: int) -> Path:
-    return home / "evals" / str(eval_id)
 
 
 def samples_db(directory: Path):

@@ -15,8 +15,8 @@ from sqlmodel import Session
 from molt_engine.config import RunConfig
 from molt_engine.scores import metric_means, scores
 
-from .db import connect, data_home, hold_lock
-from .eval_records import LIVE, eval_dir, samples_db
+from .db import connect, data_home, eval_dir, hold_lock
+from .eval_records import LIVE, samples_db
 from .models import Evaluation, Sample, now
 
 CONCURRENT_EPISODES = 64   # in flight at once: a kill loses at most these (16: half the episodes/s, bench/evals.py)

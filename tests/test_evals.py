@@ -17,8 +17,8 @@ from sqlmodel import Session
 from app_support import ROOT, child_env, molt, serve
 from conftest import wait_until
 from daemon import eval_jobs, eval_records, supervisor
-from daemon.db import run_dir, set_run
-from daemon.eval_records import ENDED, EvalRequest, eval_dir, get_eval, queue_eval, stop_eval
+from daemon.db import eval_dir, run_dir, set_run
+from daemon.eval_records import ENDED, EvalRequest, get_eval, queue_eval, stop_eval
 from daemon.models import Sample
 from daemon.records import Records
 from daemon.sink import DbSink
@@ -481,3 +481,25 @@ def test_a_lora_runs_steps_are_evaluated_as_its_adapter_on_its_base(tmp_path):
         texts = [s.scalars(select(Sample.text).where(Sample.eval_id == e).order_by(Sample.position)).all()
                  for e in evals]
     assert len(texts[0]) == 8 and texts[0] == texts[1], "step 2's adapter on its base is the merged final policy"
+
+
+def test_deleting_a_run_ends_its_evaluations_workers_and_removes_their_files(policy):
+    records, run_id = policy
+    daemon = start_daemon(records.home, "--concurrency", "2")
+    try:
+        done = queue(records, run_id, episodes=4)
+        live = queue(records, run_id, episodes=4096)
+        assert ended(records, done)["status"] == "completed"
+        running = wait_until(lambda: (e := get_eval(records.engine, live))["done"] >= 8 and e, 300, 0.05,
+                             message="8 episodes recorded")
+        records.delete_run(run_id)
+        wait_until(lambda: not alive(running["pid"]), 60, 0.05, message="the deleted evaluation's worker ended")
+        wait_until(lambda: not eval_dir(records.home, live).exists(), 60, 0.05, message="its files removed")
+        assert daemon.poll() is None
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert get_eval(records.engine, live) is None and not eval_dir(records.home, done).exists()
+    assert "Traceback" not in (records.home / "daemon.log").read_text(), "the daemon read the deleted evaluation"
+    with Session(records.engine) as s:
+        assert s.scalars(select(Sample.id).where(Sample.run_id == run_id)).all() == []
