@@ -503,3 +503,22 @@ def test_deleting_a_run_ends_its_evaluations_workers_and_removes_their_files(pol
     assert "Traceback" not in (records.home / "daemon.log").read_text(), "the daemon read the deleted evaluation"
     with Session(records.engine) as s:
         assert s.scalars(select(Sample.id).where(Sample.run_id == run_id)).all() == []
+
+
+def test_the_migration_gives_earlier_evaluations_their_samples(tmp_path):
+    from alembic import command
+
+    from daemon.db import alembic_config, sqlite_engine, upgrade
+    engine = sqlite_engine(f"sqlite:///{tmp_path / 'molt.db'}")
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), "0008_external_runs")  # samples recorded before they had eval_id
+        conn.exec_driver_sql("INSERT INTO run (id, name, status, config, tags, step, total_steps, version, restarts, "
+                             "retries, max_restarts, created_at) VALUES (1, 'r', 'completed', '{}', '[]', 0, 0, 0, 0, "
+                             "0, 3, 0)")
+        conn.exec_driver_sql("INSERT INTO sample (run_id, step, kind, position, group_id, seed, version, success, "
+                             "turns, tool_calls, tool_errors, prompt, text, tokens, images, time) VALUES "
+                             "(1, 7, 'evaluation', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0), "
+                             "(1, 7, 'train', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0)")
+    upgrade(engine, tmp_path)
+    with engine.connect() as conn:
+        assert sorted(conn.exec_driver_sql("SELECT kind, eval_id FROM sample")) == [("evaluation", 7), ("train", None)]
