@@ -9,8 +9,8 @@ from fastapi import APIRouter, Form, HTTPException, Query, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import ValidationError
 
-from daemon import evals
-from daemon.evals import EvalInvalid, EvalRequest
+from daemon import eval_records
+from daemon.eval_records import EvalInvalid, EvalRequest
 
 from .pages import check_csrf, guarded, render
 
@@ -20,7 +20,7 @@ FIRST = ("mean_reward", "mean_reward_se", "pass@1")  # then pass@k, avg@k and th
 
 def table(request: Request, run_id: int | None, baseline: int | None) -> tuple[list[dict], list[str], dict | None]:
     """The evaluations (of one run, or all), the metric columns, and the baseline row if one is chosen."""
-    rows = evals.list_evals(request.app.state.records.engine, run_id)
+    rows = eval_records.list_evals(request.app.state.records.engine, run_id)
     found = {name for r in rows for name in (r["metrics"] or {})}
     names = [n for n in FIRST if n in found] + sorted(found - set(FIRST) - {"episodes", "errors"})
     base = next((r for r in rows if r["id"] == baseline and r["metrics"]), None)
@@ -47,7 +47,7 @@ def evals_page(request: Request, run_id: Annotated[int | None, Query(ge=1)] = No
 def eval_samples_page(request: Request, eval_id: int):
     """The samples view on an evaluation's episodes: a run's evaluation opens on its run's samples at its step; a
     model section's, which no run holds, on its own (GET /api/v1/evals/{id}/samples)."""
-    e = evals.get_eval(request.app.state.records.engine, eval_id)
+    e = eval_records.get_eval(request.app.state.records.engine, eval_id)
     if e is None:
         raise HTTPException(404, f"no evaluation {eval_id}")
     if e["run_id"]:
@@ -74,7 +74,7 @@ def queue_from_form(request: Request, run_id: Annotated[int | None, Form()] = No
         request_ = EvalRequest(run_id=run_id, checkpoint=int(checkpoint) if checkpoint.isascii() and
                                checkpoint.isdigit() else checkpoint, env=env.strip() or None,
                                episodes=episodes, k=k, temperature=temperature)
-        evals.queue_eval(records.engine, records.home, request_)
+        eval_records.queue_eval(records.engine, records.home, request_)
     except (EvalInvalid, ValidationError) as e:
         field = e.loc[0] if isinstance(e, EvalInvalid) else e.errors()[0]["loc"][0]
         message = str(e) if isinstance(e, EvalInvalid) else e.errors()[0]["msg"]

@@ -9,8 +9,10 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import func, select
 from sqlmodel import Session
 
-from daemon import evals
-from daemon.evals import EvalInvalid, EvalRequest
+from daemon import eval_records
+from daemon.db import eval_dir
+from daemon.eval_records import EvalInvalid, EvalRequest
+from daemon.models import Sample
 from daemon.records import Records
 
 from .rest import _problem, authenticated, known_query, records_of, sample_filters
@@ -53,7 +55,7 @@ def create_eval(request: Request, body: EvalRequest):
     `k` per prompt, greedy when `temperature` is 0. 422 names the field that is wrong."""
     records = records_of(request)
     try:
-        return evals.queue_eval(records.engine, records.home, body)
+        return eval_records.queue_eval(records.engine, records.home, body)
     except EvalInvalid as e:
         raise RequestValidationError([{"type": "value_error", "loc": ("body", *e.loc), "msg": str(e)}]) from None
 
@@ -61,14 +63,14 @@ def create_eval(request: Request, body: EvalRequest):
 @router.get("/evals", response_model=list[EvalOut])
 def list_evals(request: Request, run_id: Annotated[int | None, Query(ge=1, le=2**62)] = None):
     """Evaluations, newest first; of one source run with `run_id`."""
-    return evals.list_evals(records_of(request).engine, run_id)
+    return eval_records.list_evals(records_of(request).engine, run_id)
 
 
 @router.get("/evals/{eval_id}", response_model=EvalOut, responses=with_eval)
 def get_eval(request: Request, eval_id: EvalId):
     """Status, progress (`done` episodes) and, once completed, the metrics: mean_reward, pass@1, pass@k, avg@k,
     episodes, errors and the env's own metrics."""
-    return _found(evals.get_eval(records_of(request).engine, eval_id), eval_id)
+    return _found(eval_records.get_eval(records_of(request).engine, eval_id), eval_id)
 
 
 @router.get("/evals/{eval_id}/wait", response_model=EvalOut, responses=with_eval)
@@ -77,8 +79,8 @@ async def wait_eval(request: Request, eval_id: EvalId,
     """Return when the evaluation has ended (completed, failed, stopped) or the timeout passed."""
     deadline = time.monotonic() + timeout
     while True:
-        found = _found(await asyncio.to_thread(evals.get_eval, records_of(request).engine, eval_id), eval_id)
-        if found["status"] in evals.ENDED or time.monotonic() >= deadline:
+        found = _found(await asyncio.to_thread(eval_records.get_eval, records_of(request).engine, eval_id), eval_id)
+        if found["status"] in eval_records.ENDED or time.monotonic() >= deadline:
             return found
         await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
@@ -87,10 +89,10 @@ async def wait_eval(request: Request, eval_id: EvalId,
              responses={**with_eval, 409: _problem("the evaluation has already ended")})
 def stop_eval(request: Request, eval_id: EvalId):
     engine = records_of(request).engine
-    found = _found(evals.get_eval(engine, eval_id), eval_id)
-    if not evals.stop_eval(engine, eval_id):
+    found = _found(eval_records.get_eval(engine, eval_id), eval_id)
+    if not eval_records.stop_eval(engine, eval_id):
         raise HTTPException(409, f"evaluation {eval_id} is {found['status']}")
-    return evals.get_eval(engine, eval_id)
+    return eval_records.get_eval(engine, eval_id)
 
 
 @router.get("/evals/{eval_id}/samples", response_model=SamplesOut, responses=with_eval, tags=["samples"])
@@ -142,12 +144,12 @@ def _samples_of(request: Request, eval_id: int, filters: dict):
     """(run_id, the database that holds the evaluation's episodes, the query of those that pass the filters): a
     run's evaluation's are in the records; a model section's in its own database (None until it records one)."""
     records = records_of(request)
-    found = _found(evals.get_eval(records.engine, eval_id), eval_id)
-    run_id, directory = found["run_id"] or 0, evals.eval_dir(records.home, eval_id)
-    query = Records.sample_query(run_id, **{**filters, "step": eval_id, "kind": "evaluation"})
+    found = _found(eval_records.get_eval(records.engine, eval_id), eval_id)
+    run_id, directory = found["run_id"] or 0, eval_dir(records.home, eval_id)
+    query = Records.sample_query(run_id, **{**filters, "step": None, "kind": None}).where(Sample.eval_id == eval_id)
     if run_id:
         return run_id, records.engine, query
-    return run_id, evals.samples_db(directory) if (directory / "samples.db").exists() else None, query
+    return run_id, eval_records.samples_db(directory) if (directory / "samples.db").exists() else None, query
 
 
 def _found(evaluation: dict | None, eval_id: int) -> dict:

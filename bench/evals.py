@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from sqlalchemy import update  # noqa: E402
 
-from daemon.db import run_dir, set_run  # noqa: E402
+from daemon.db import eval_dir, run_dir, set_run  # noqa: E402
 from daemon import evals  # noqa: E402
-from daemon.evals import EvalRequest, eval_dir, evaluate, get_eval, queue_eval  # noqa: E402
+from daemon.eval_records import EvalRequest, get_eval, queue_eval  # noqa: E402
+from daemon.evals import evaluate  # noqa: E402
 from daemon.models import Evaluation  # noqa: E402
 from daemon.records import Records  # noqa: E402
 from molt_engine.config import RunConfig  # noqa: E402

@@ -19,6 +19,9 @@ BUSY_TIMEOUT_S = 30
 # it degraded and `molt serve` kills and restarts it. Above BUSY_TIMEOUT_S: a poll that waited out one busy database
 # statement is slow, not hung.
 DAEMON_HANG_S = 60.0
+# A worker's first heartbeat may take this long, whatever the heartbeat timeout: a multi-rank worker beats only
+# once its rank 0 runs (torchrun imported and started, then the ranks), which a busy machine stretches past 20 s.
+FIRST_BEAT_S = 120.0
 
 
 # Written by the dashboard (`molt serve`, `molt web`) while it listens: {"url": ...}. Ranks placed on Ray report
@@ -35,6 +38,10 @@ def data_home(home: str | Path | None = None) -> Path:
 def run_dir(home: Path, run_id: int) -> Path:
     """A run's directory: the engine's out_dir (checkpoints/, final/) plus the attempt logs and spools."""
     return home / "runs" / str(run_id)
+
+
+def eval_dir(home: Path, eval_id: int) -> Path:
+    return home / "evals" / str(eval_id)
 
 
 def db_url(home: Path) -> str:

@@ -184,15 +184,19 @@ class DaemonEvent(SQLModel, table=True):
 
 class Sample(SQLModel, table=True):
     """A recorded episode (the engine's `record` config): a sample of a step's trained episodes (kind "train") or
-    of an eval's (kind "eval"). `tokens` holds its tokens column-wise: id, text (the piece), action, logprob
-    (behaviour), trainer_logprob, version, entropy. Unique per (run, kind, step, position): a replay overwrites."""
+    of an eval's (kind "eval"), or an evaluation job's episode (kind "evaluation"). `tokens` holds its tokens
+    column-wise: id, text (the piece), action, logprob (behaviour), trainer_logprob, version, entropy. Unique per
+    (run, kind, step, position): a replay overwrites."""
     __table_args__ = (UniqueConstraint("run_id", "step", "kind", "position"), Index(None, "run_id", "prompt"))
     id: int | None = Field(default=None, primary_key=True)
     run_id: int = Field(foreign_key="run.id")
     step: int
-    kind: str                              # train | eval
+    kind: str                              # train | eval | evaluation
     position: int                          # its place among the step's samples of that kind
     group_id: int                          # the prompt's cursor (its training group); -1 for eval
+    # An evaluation job's episode (kind "evaluation", step = the job's id too): its own, never pruned with the run's.
+    # No foreign key: SQLite rebuilds a table to add one, and a model section's are in a database of their own.
+    eval_id: int | None = Field(default=None, index=True)
     seed: int
     version: int                           # the trainer's policy version (staleness = version - a token's version)
     reward: float | None = None

@@ -13,7 +13,7 @@ from sqlmodel import Session
 from molt_engine.config import RunConfig
 
 from .daemon_records import DaemonRecords
-from .db import add_event, connect, data_home, row_dict, run_dir, set_run
+from .db import add_event, connect, data_home, eval_dir, row_dict, run_dir, set_run
 from .models import (ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, Evaluation, MetricBucket,
                      PolicyVersion, Run, Sample, now)
 from .sample_records import SampleRecords
@@ -143,10 +143,10 @@ class Records(SampleRecords, DaemonRecords):
         return self.get_run(run_id)
 
     def delete_run(self, run_id: int):
-        """Delete a run's records and its directory (checkpoints, final and best policies, logs). Only a run that
-        has ended: a queued or active one may have a worker writing at any moment (Conflict: stop it first)."""
+        """Delete a run's records and its directory (checkpoints, final and best policies, logs), its evaluations and
+        theirs. Only a run that has ended: a queued or active one may have a worker writing (Conflict: stop it)."""
         with Session(self.engine) as s:
-            run = self._get(s, run_id)
+            run, evals = self._get(s, run_id), s.scalars(select(Evaluation.id).where(Evaluation.run_id == run_id)).all()
             for model in (Metric, MetricBucket, PolicyVersion, Checkpoint, Alert, Event, Sample, Attempt, Evaluation):
                 s.execute(delete(model).where(model.run_id == run_id))  # metric first: its triggers fill buckets
             # the status checked in the same statement: the daemon cannot start it between a check and the delete
@@ -154,8 +154,8 @@ class Records(SampleRecords, DaemonRecords):
                 s.rollback()
                 raise Conflict(f"run {run_id} is {run.status}: stop it before deleting it")
             s.commit()
-        if self.run_dir(run_id).exists():
-            shutil.rmtree(self.run_dir(run_id))
+        for directory in (self.run_dir(run_id), *(eval_dir(self.home, e) for e in evals)):  # a live evaluation's
+            shutil.rmtree(directory, ignore_errors=True)  # worker ends once the daemon finds its row gone
 
     def get_run(self, run_id: int) -> dict:
         with Session(self.engine) as s:

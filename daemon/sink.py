@@ -280,7 +280,7 @@ def write_records(conn, run_id: int, attempt_id: int, records: list[dict], heart
             set_={c.name: getattr(stmt.excluded, c.name) for c in Sample.__table__.columns
                   if c.name not in ("id", "run_id", "step", "kind", "position")}), samples)
     if keep_from is not None:
-        conn.execute(delete(Sample).where(Sample.run_id == run_id, Sample.step < keep_from))
+        conn.execute(delete(Sample).where(Sample.run_id == run_id, Sample.step < keep_from, Sample.eval_id.is_(None)))
     for model, rows in ((Alert, alerts), (Event, events)):
         if rows:
             conn.execute(insert(model).on_conflict_do_nothing(index_elements=["uid"]), rows)

@@ -14,8 +14,8 @@ from typing import IO
 from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from .evals import EvalWorkers
-from .db import add_daemon_event, add_event, connect, data_home, hold_lock, lock_holder, run_dir, set_run
+from .eval_jobs import EvalWorkers
+from .db import FIRST_BEAT_S, add_daemon_event, add_event, connect, data_home, hold_lock, lock_holder, run_dir, set_run
 from .models import ACTIVE, OUTCOMES, Attempt, Run, now
 from .restarts import decide
 from .sink import replay_spools
@@ -24,9 +24,6 @@ from .worker import DUPLICATE
 log = logging.getLogger("molt.daemon")
 ROOT = Path(__file__).resolve().parent.parent   # on the workers' PYTHONPATH: they run this same code
 INTERRUPTED = "interrupted.json"   # runs stopped together with their daemon: the next daemon resumes them
-# A worker's first heartbeat may take this long, whatever the heartbeat timeout: a multi-rank worker beats only
-# once its rank 0 runs (torchrun imported and started, then the ranks), which a busy machine stretches past 20 s.
-FIRST_BEAT_S = 120.0
 
 
 class DaemonRunning(RuntimeError):

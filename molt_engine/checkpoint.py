@@ -85,17 +85,22 @@ def step_of(path: Path) -> int:
 def load(path: Path, model, reference=None) -> dict:
     """Load weights into `model` (and `reference`) in place; return the training state."""
     if (path / "policy" / "adapter_config.json").exists():  # LoRA: onto this run's base, the one it was trained on
-        base = peft.LoraConfig.from_pretrained(path / "policy").base_model_name_or_path
-        if base != model.name_or_path:
-            raise RuntimeError(f"{path.name}: a LoRA adapter of {base!r}; this run's base model is {model.name_or_path!r}")
-        adapter = load_file(path / "policy" / "adapter_model.safetensors")  # peft's names: without the adapter's
-        dist.load_weights(model, {k: adapter.get(k.replace(".default", ""), v) for k, v in dist.full_weights(model).items()})
+        load_adapter(path / "policy", model)
     else:  # the policy's own class: a causal LM or a vision-language model
         dist.load_weights(model, type(model).from_pretrained(path / "policy", dtype=torch.float32).state_dict())
     if reference is not None:
         reference.load_state_dict(type(reference).from_pretrained(path / "reference", dtype=torch.float32).state_dict())
     # On the CPU whatever device saved it: the optimizer moves its state to its parameters' device on load.
     return torch.load(path / "state.pt", weights_only=False, map_location="cpu")
+
+
+def load_adapter(path: Path, model):
+    """Load the LoRA adapter saved at `path` into `model` (a peft model of the adapter's base) in place."""
+    base = peft.LoraConfig.from_pretrained(path).base_model_name_or_path
+    if base != model.name_or_path:
+        raise RuntimeError(f"{path.parent.name}: a LoRA adapter of {base!r}; this run's base model is {model.name_or_path!r}")
+    adapter = load_file(path / "adapter_model.safetensors")  # peft's names: without the adapter's
+    dist.load_weights(model, {k: adapter.get(k.replace(".default", ""), v) for k, v in dist.full_weights(model).items()})
 
 
 def _save_adapter(path: Path, weights: dict, lora, base: str):

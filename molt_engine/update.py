@@ -12,6 +12,7 @@ from . import dist, drills
 from .algo import GROUP_ESTIMATORS, advantages, policy_loss
 from .episode import Episode, collate, to_device, token_logprobs, uncollated
 from .models import routers, routing_stats
+from .scores import metric_means, scores
 
 
 def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, step: int, published: dict,
@@ -216,10 +217,9 @@ def batch_metrics(groups: list[list[Episode]], version: int) -> dict:
 def eval_metrics(episodes: list[Episode]) -> dict:
     """An eval's numbers: reward, pass rate, tool-call rate and the env's own metrics, each `eval_`-prefixed."""
     episodes = one_per_episode(episodes)
-    n = len(episodes)
-    return {"eval_reward": sum(e.reward for e in episodes) / n,
-            "eval_pass_rate": sum(e.info["success"] for e in episodes) / n,
-            "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / n,
+    scored = scores([[(e.reward, e.info["success"])] for e in episodes], 1)  # an evaluation job's, named for a run
+    return {"eval_reward": scored["mean_reward"], "eval_pass_rate": scored["pass@1"],
+            "eval_tool_call_rate": sum(e.info["tool_calls"] for e in episodes) / len(episodes),
             **{f"eval_{k}": v for k, v in env_metrics(episodes).items()}}
 
 
@@ -233,6 +233,4 @@ def env_metrics(episodes: list[Episode]) -> dict:
     report in Result.info["metrics"] (e.g. accuracy_strict) over the episodes that report them."""
     counts = {k: float(sum(e.info[k] for e in episodes)) for k in ("tool_errors", "template_prefix_breaks")
               if k in episodes[0].info}
-    reported = [e.info.get("metrics", {}) for e in episodes]
-    names = sorted({k for m in reported for k in m})
-    return {**counts, **{k: sum(m[k] for m in reported if k in m) / sum(k in m for m in reported) for k in names}}
+    return {**counts, **metric_means([e.info.get("metrics", {}) for e in episodes])}

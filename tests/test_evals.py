@@ -16,12 +16,13 @@ from sqlmodel import Session
 
 from app_support import ROOT, child_env, molt, serve
 from conftest import wait_until
-from daemon import supervisor
-from daemon.db import run_dir, set_run
-from daemon.evals import ENDED, EvalRequest, eval_dir, get_eval, pass_at_k, queue_eval, scores, stop_eval
+from daemon import eval_jobs, eval_records, supervisor
+from daemon.db import eval_dir, run_dir, set_run
+from daemon.eval_records import ENDED, EvalRequest, get_eval, queue_eval, stop_eval
 from daemon.models import Sample
 from daemon.records import Records
 from daemon.sink import DbSink
+from molt_engine.scores import pass_at_k, scores
 
 
 def test_pass_at_k_is_the_unbiased_estimator_on_a_hand_computed_table():
@@ -40,6 +41,11 @@ def test_pass_at_k_is_the_unbiased_estimator_on_a_hand_computed_table():
     assert got["pass@2"] == pytest.approx(((1 - 3 / 6) + 1.0 + 0.0) / 3)
     assert got["avg@2"] == pytest.approx((0.25 + 3.5 / 4 + 0.0) / 3)
     assert got["mean_reward"] == pytest.approx(4.5 / 12)
+    # its standard error clustered by prompt: the prompts' means 0.25, 0.875, 0 around 0.375 deviate by -0.125,
+    # 0.5, -0.375 (squares 0.40625 in all), over 3 - 1, over 3 prompts (12 independent episodes would say 0.139)
+    assert got["mean_reward_se"] == pytest.approx((0.40625 / 2 / 3) ** 0.5)
+    assert scores([[(1.0, True)], [(0.0, False)], [(0.5, False)]], 1)["mean_reward_se"] == pytest.approx(
+        ((0.25 + 0.25 + 0) / 2 / 3) ** 0.5)  # one sample a prompt: the plain standard error of the mean
 
 
 def fake_checkpoints(home: Path, run_id: int, steps: list[int]):
@@ -73,6 +79,8 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         invalid({"run_id": 999}, "run_id", "no run 999")
         invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 4, "k": 8}, "k", "more than episodes")
         invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 6, "k": 4}, "episodes", "multiple of k")
+        invalid({"run_id": other["id"], "checkpoint": 5, "episodes": 8, "k": 4, "temperature": 0.0}, "k",
+                "k (4) needs a temperature above 0: at temperature 0")  # pass@4 would be pass@1
         invalid({"run_id": other["id"], "checkpoint": 5, "env": "no_such_env"}, "env", "unknown env 'no_such_env'")
         invalid({"model": {"preset": "huge"}, "env": "max_digit"}, "model", "unknown preset")
         invalid({"model": {"preset": "tiny-dense"}}, "env", "give env")
@@ -84,7 +92,7 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
 
         # a valid one is queued (201) and listed under its run; stopped while queued, it is stopped at once
         created = client.post("/api/v1/evals", json={"run_id": other["id"], "checkpoint": "latest", "episodes": 8,
-                                                     "k": 2})
+                                                     "k": 2, "temperature": 1.0})
         assert created.status_code == 201, created.text
         evaluation = created.json()
         assert evaluation["step"] == 10 and evaluation["config"]["env"] == "max_digit"
@@ -101,7 +109,7 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         page = client.get("/evals", params={"run_id": other["id"]})
         assert page.status_code == 200 and f'id="eval-{evaluation["id"]}"' in page.text and "stopped" in page.text
         csrf = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
-        form = {"run_id": other["id"], "checkpoint": "7", "episodes": 8, "k": 2, "temperature": 0, "csrf_token": csrf}
+        form = {"run_id": other["id"], "checkpoint": "7", "episodes": 8, "k": 2, "temperature": 1, "csrf_token": csrf}
         refused = client.post("/evals", data=form, headers={"Origin": studio.base})
         assert refused.status_code == 422 and "checkpoint: run" in refused.text and "at step 7" in refused.text
         queued = client.post("/evals", data={**form, "checkpoint": "5"}, headers={"Origin": studio.base})
@@ -239,7 +247,7 @@ def queue(records: Records, run_id: int, **fields) -> int:
 
 def test_an_eval_worker_that_never_beats_is_killed_as_hung(policy, monkeypatch):
     records, run_id = policy
-    monkeypatch.setattr(supervisor, "FIRST_BEAT_S", 3.0)  # the daemon runs in this process: its first-beat limit
+    monkeypatch.setattr(eval_jobs, "FIRST_BEAT_S", 3.0)  # the daemon runs in this process: its first-beat limit
     eval_id = queue(records, run_id, episodes=4, max_restarts=0)
     sup = supervisor.Supervisor(records.home, heartbeat_timeout=1.0, poll=0.1, gpus=[])
     stop = threading.Event()
@@ -271,7 +279,7 @@ def test_a_hung_eval_worker_is_killed_and_restarted_and_each_episode_recorded_on
         daemon.wait(30)
     assert running["done"] < 128, "finished before the hang: make it longer"
     assert final["status"] == "completed", final
-    assert final["restarts"] == 1 and final["last_error"].startswith("worker hang: no heartbeat for "), final
+    assert final["restarts"] == 1 and final["last_error"].startswith("worker hang: no progress for "), final
     assert not alive(running["pid"])
     assert final["metrics"]["episodes"] == 128 and final["done"] == 128
     assert recorded(records, eval_id) == list(range(128))
@@ -377,3 +385,140 @@ def test_the_throughput_bench_measures_a_job_and_the_in_run_eval_on_the_same_epi
     assert result["episodes"] == 8 and result["in_flight"] == 4 and len(result["load"]) == 3
     assert result["job"] > 0 and result["in_run"] > 0 and result["job_episodes"] >= result["job"]
     assert result["ratio"] == pytest.approx(result["job"] / result["in_run"])
+
+
+def test_an_evaluations_samples_survive_its_runs_keep_steps(tmp_path):
+    from daemon.sink import write_records
+    records = Records(tmp_path)
+    run_id = run_with_a_policy(records)
+    episode = {"group": 0, "seed": 0, "version": 0, "reward": 1.0, "advantage": 0.0, "success": True, "turns": 1,
+               "tool_calls": 0, "tool_errors": 0, "prompt": "p", "text": "p a", "tokens": {}, "images": []}
+    evaluation = queue(records, run_id, episodes=4)  # its samples as its worker writes them: step = its id
+    with records.engine.begin() as conn:
+        conn.execute(Sample.__table__.insert(), [
+            {**{k: v for k, v in episode.items() if k not in ("group", "advantage")}, "group_id": 0, "position": i,
+             "run_id": run_id, "eval_id": evaluation, "step": evaluation, "kind": "evaluation", "time": 0.0}
+            for i in range(4)])
+        for step in range(evaluation, evaluation + 10):  # the run trains on, keeping its last 2 steps' samples
+            write_records(conn, run_id, 0, [{"t": "samples", "step": step, "kind": "train", "keep": 2, "time": 0.0,
+                                             "records": [episode]}])
+    with Session(records.engine) as s:
+        kept = s.execute(select(Sample.kind, Sample.step).where(Sample.run_id == run_id)).all()
+    assert sorted(kept) == [("evaluation", evaluation)] * 4 + [("train", evaluation + 8), ("train", evaluation + 9)]
+
+
+def test_an_agent_envs_evaluation_completes(tmp_path):
+    records = Records(tmp_path)  # its episodes' requests need the loopback server a run starts, the worker too
+    request = EvalRequest(model={"preset": "tiny-chat"}, env="calculator_agent", episodes=4, max_restarts=0)
+    eval_id = queue_eval(records.engine, records.home, request)["id"]
+    daemon = start_daemon(records.home)
+    try:
+        final = ended(records, eval_id, 240)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert final["status"] == "completed", final
+    assert final["metrics"]["episodes"] == 4 and final["metrics"]["errors"] == 0, final
+    with Session(eval_records.samples_db(eval_dir(records.home, eval_id))) as s:
+        assert sorted(s.scalars(select(Sample.position).where(Sample.eval_id == eval_id))) == [0, 1, 2, 3]
+
+
+STALLED_ENV = """
+import asyncio
+from molt_engine import Env, register
+
+@register
+class StalledEnv(Env):
+    name = "test_stalled_eval"
+
+    async def reset(self, seed):
+        await asyncio.Event().wait()  # what never comes; the worker's event loop goes on
+
+    async def step(self, action):
+        raise AssertionError("never reached")
+"""
+
+
+def test_an_eval_worker_whose_episodes_make_no_progress_ends_as_hung(tmp_path, monkeypatch):
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "stalled.py").write_text(STALLED_ENV)
+    monkeypatch.setenv("MOLT_ENVS", str(tmp_path / "envs"))  # here (the request is checked) and in the daemon
+    records = Records(tmp_path / "home")
+    request = EvalRequest(model={"preset": "tiny-dense"}, env="test_stalled_eval", episodes=2, max_restarts=0)
+    eval_id = queue_eval(records.engine, records.home, request)["id"]
+    daemon = start_daemon(records.home, "--heartbeat-timeout", "3")
+    try:
+        final = ended(records, eval_id, 120)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert final["status"] == "failed" and final["last_error"].startswith("worker hang: no progress for "), final
+    beat = (eval_dir(records.home, eval_id) / "heartbeat").read_text()
+    assert beat == "0 tokens sampled, 0 episodes recorded", "it beat once, loaded, and never progressed"
+
+
+def test_a_lora_runs_steps_are_evaluated_as_its_adapter_on_its_base(tmp_path):
+    from molt_engine import train
+    records = Records(tmp_path)
+    config = {"env": "max_digit", "model": {"lora": {"r": 8}}, "warm_start": {"steps": 2}, "algo": {"lr": 3e-3},
+              "loop": {"steps": 2, "groups_per_step": 2, "group_size": 4, "eval_every": 0}, "checkpoint": {"every": 2}}
+    run_id = records.create_run(config, name="lora")["id"]
+    train(config, out_dir=run_dir(records.home, run_id))  # its step checkpoints hold the adapter alone
+    with records.engine.begin() as conn:
+        set_run(conn, run_id, status="completed", summary={"step": 2})
+    assert not (run_dir(records.home, run_id) / "checkpoints" / "step-000002" / "policy" / "config.json").exists()
+    evals = [queue_eval(records.engine, records.home, EvalRequest(run_id=run_id, checkpoint=checkpoint, episodes=8,
+                                                                  max_restarts=0))["id"]
+             for checkpoint in ("latest", "final")]  # greedy: the same policy gives the same episodes
+    daemon = start_daemon(records.home)
+    try:
+        finals = [ended(records, eval_id) for eval_id in evals]
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert [(f["status"], f["step"], f["restarts"]) for f in finals] == [("completed", 2, 0)] * 2, finals
+    with Session(records.engine) as s:
+        texts = [s.scalars(select(Sample.text).where(Sample.eval_id == e).order_by(Sample.position)).all()
+                 for e in evals]
+    assert len(texts[0]) == 8 and texts[0] == texts[1], "step 2's adapter on its base is the merged final policy"
+
+
+def test_deleting_a_run_ends_its_evaluations_workers_and_removes_their_files(policy):
+    records, run_id = policy
+    daemon = start_daemon(records.home, "--concurrency", "2")
+    try:
+        done = queue(records, run_id, episodes=4)
+        live = queue(records, run_id, episodes=4096)
+        assert ended(records, done)["status"] == "completed"
+        running = wait_until(lambda: (e := get_eval(records.engine, live))["done"] >= 8 and e, 300, 0.05,
+                             message="8 episodes recorded")
+        records.delete_run(run_id)
+        wait_until(lambda: not alive(running["pid"]), 60, 0.05, message="the deleted evaluation's worker ended")
+        wait_until(lambda: not eval_dir(records.home, live).exists(), 60, 0.05, message="its files removed")
+        assert daemon.poll() is None
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert get_eval(records.engine, live) is None and not eval_dir(records.home, done).exists()
+    assert "Traceback" not in (records.home / "daemon.log").read_text(), "the daemon read the deleted evaluation"
+    with Session(records.engine) as s:
+        assert s.scalars(select(Sample.id).where(Sample.run_id == run_id)).all() == []
+
+
+def test_the_migration_gives_earlier_evaluations_their_samples(tmp_path):
+    from alembic import command
+
+    from daemon.db import alembic_config, sqlite_engine, upgrade
+    engine = sqlite_engine(f"sqlite:///{tmp_path / 'molt.db'}")
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), "0008_external_runs")  # samples recorded before they had eval_id
+        conn.exec_driver_sql("INSERT INTO run (id, name, status, config, tags, step, total_steps, version, restarts, "
+                             "retries, max_restarts, created_at) VALUES (1, 'r', 'completed', '{}', '[]', 0, 0, 0, 0, "
+                             "0, 3, 0)")
+        conn.exec_driver_sql("INSERT INTO sample (run_id, step, kind, position, group_id, seed, version, success, "
+                             "turns, tool_calls, tool_errors, prompt, text, tokens, images, time) VALUES "
+                             "(1, 7, 'evaluation', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0), "
+                             "(1, 7, 'train', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0)")
+    upgrade(engine, tmp_path)
+    with engine.connect() as conn:
+        assert sorted(conn.exec_driver_sql("SELECT kind, eval_id FROM sample")) == [("evaluation", 7), ("train", None)]
