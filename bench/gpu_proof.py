@@ -61,7 +61,7 @@ from molt_engine.algo import kl_penalty  # noqa: E402
 from molt_engine.breaker import Breaker  # noqa: E402
 from molt_engine.episode import Episode, collate, to_device, token_logprobs  # noqa: E402
 from molt_engine.loop import Training  # noqa: E402
-from molt_engine.sampler import Request, Sampler  # noqa: E402
+from molt_engine.inference.sampler import Request, Sampler  # noqa: E402
 from molt_engine.update import train_step, train_step_fitting  # noqa: E402
 
 # Qwen2.5-0.5B's published shape, and a toy one that keeps its proportions (grouped KV heads, tied embeddings).

@@ -25,8 +25,8 @@ from .config import RunConfig
 from .episode import Episode
 from .models import load_policy, merged, routers
 from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
-from .sampler import Sampler
-from .serving.sampler_process import SamplerProcess
+from .inference.sampler import Sampler
+from .inference.sampler_process import SamplerProcess
 from .samples import record, training_samples
 from .sink import NullSink, Sink
 from .update import batch_metrics, eval_metrics, memory_metrics, one_per_episode, train_step_fitting

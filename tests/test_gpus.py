@@ -15,7 +15,7 @@ from molt_engine.config import ValidationError, config_errors
 from daemon.models import Run
 from daemon.supervisor import Supervisor
 from molt_engine.models import char_tokenizer, device_of, load_policy
-from molt_engine.sampler import Sampler
+from molt_engine.inference.sampler import Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_daemon_supervisor import START, Studio, config as daemon_config  # noqa: E402

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .episode import without_placeholder
-from .models import routers
+from ..episode import without_placeholder
+from ..models import routers
+from .static import StaticDecode, free_tokens
 
 
 class RoomyLayer(DynamicLayer):
@@ -60,7 +61,7 @@ class Sampler:
     swap_wait = 12
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
-                 kv_budget_gb: float | None = None, executor=None):
+                 kv_budget_gb: float | None = None, executor=None, cuda_graphs: bool | str = False):
         self.model, self.device, self.routers = model.eval(), next(model.parameters()).device, routers(model)
         text = model.config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -68,6 +69,13 @@ class Sampler:
         token_bytes = 2 * text.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
+        # Decode steps on static buffers, as CUDA graphs (loop.cuda_graphs): dense text models on CUDA; the same step
+        # without capture when `cuda_graphs` is "uncaptured" (the CPU tests). MoE and VLM policies decode eagerly.
+        self.static = None
+        if cuda_graphs and not self.routers and model.config.get_text_config() is model.config:
+            tokens = self.kv_tokens or free_tokens(self.device, token_bytes)
+            self.static = StaticDecode(model, tokens, capture=cuda_graphs != "uncaptured")
+        self.decoding = "eager" if self.static is None else "CUDA graphs" if self.static.capture else "static shapes"
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
@@ -137,10 +145,14 @@ class Sampler:
         joining, self.pending = ([], self.pending) if self.active and (self.stats["steps"] % 4 or self.new_weights) else self._admit()
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
-            out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
-                             position_ids=self.mask.sum(1, keepdim=True) - 1, cache=self.cache, use_cache=True)
-            self.cache = out.cache
-            self._sample(self.active, out.logits[:, -1], self._last_routes(len(self.mask)))
+            if self.static:
+                longest = max(len(r.context) + r.max_tokens for r in self.active)
+                logits = self.static.decode(self.cache, self.mask, self.last, longest)
+            else:
+                out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
+                                 position_ids=self.mask.sum(1, keepdim=True) - 1, cache=self.cache, use_cache=True)
+                self.cache, logits = out.cache, out.logits[:, -1]
+            self._sample(self.active, logits, self._last_routes(len(self.mask)))
         if joining:
             self._join(joining)
         self.stats["steps"] += 1
@@ -161,14 +173,16 @@ class Sampler:
     def _admit(self) -> tuple[list[Request], list[Request]]:
         """The pending requests that join now and those that wait, in submission order: the cache is rows x the
         longest row, so with every request counted at its longest (context + max_tokens) the joined ones never grow
-        it past the KV budget. One request always runs, so a request larger than the budget still finishes."""
+        it past the KV budget (static buffers: no more rows than they hold at that length). One request always runs, so
+        a request larger than the budget still finishes."""
         pending = [r for r in self.pending if not r.cancelled]
-        if self.kv_tokens is None:
+        if self.kv_tokens is None and self.static is None:
             return pending, []
         longest = max((len(r.context) + r.max_tokens for r in self.active), default=0)
         for i, req in enumerate(pending):
             longest = max(longest, len(req.context) + req.max_tokens)
-            if len(self.active) + i > 0 and (len(self.active) + i + 1) * longest > self.kv_tokens:
+            rows = len(self.active) + i + 1
+            if rows > 1 and (rows > self.static.rows(longest) if self.static else rows * longest > self.kv_tokens):
                 return pending[:i], pending[i:]
         return pending, []
 
