@@ -156,28 +156,40 @@ def check_sampler(args, s):
     s["sampler_model"] = model = copy.deepcopy(s["model"]).to(torch.bfloat16).eval()  # as the engine makes it
     s["params"] = sum(p.numel() for p in s["model"].parameters())  # tied embeddings counted once
     weights_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # in every peak below
-    decode(model, random_prompts(2, sc), 4, sc["budget_s"])  # warm-up: kernels, allocator
+    # The engine's decode path: CUDA graphs on a GPU, the same static-shape step uncaptured on a CPU; and the eager
+    # steps beside it. One sampler each for every batch: the graphs (one per bucket) are captured once.
+    graphed = Sampler(model, [], 0, temperature=1.0, cuda_graphs=True if device.type == "cuda" else "uncaptured")
+    eager = Sampler(model, [], 0, temperature=1.0)
+    decode(eager, random_prompts(2, sc), 4, sc["budget_s"])  # warm-up: kernels, allocator
     generate(model, random_prompts(2, sc), 4)
     rows = []
     for n in sc["requests"]:
         prompts = random_prompts(n, sc)
+        decode(graphed, prompts, 3, sc["budget_s"])  # captures this batch's bucket: the timed run replays it
         peak_gb(device)
-        first_s, decode_s, reqs = decode(model, prompts, sc["new"], sc["budget_s"])
+        first_s, decode_s, reqs = decode(graphed, prompts, sc["new"], sc["budget_s"])
         sampler_peak, new = peak_gb(device), len(reqs[0].ids)  # all requests decode in step
+        _, eager_s, eager_reqs = decode(eager, prompts, new, sc["budget_s"])
         generate_s = generate(model, prompts, new)
         rows.append({"requests": n, "new_tokens": new, "first_step_seconds": first_s,
                      "prefill_tokens_per_s": n * sc["prompt"] / first_s, "decode_step_seconds": decode_s / (new - 1),
                      "decode_tokens_per_s": n * (new - 1) / decode_s,
+                     "eager_decode_tokens_per_s": n * (len(eager_reqs[0].ids) - 1) / eager_s,
                      "sampler_tokens_per_s": n * new / (first_s + decode_s),
                      "generate_tokens_per_s": n * new / generate_s, "sampler_seconds": first_s + decode_s,
                      "generate_seconds": generate_s, "sampler_peak_gb": sampler_peak,
-                     "generate_peak_gb": peak_gb(device)})
+                     "generate_peak_gb": peak_gb(device),
+                     # requests whose tokens are the eager path's (in fp32 all are: tests/test_inference.py; in bf16 a
+                     # rounding difference may move a sample across a token boundary, and the request diverges there)
+                     "same_tokens_as_eager": sum(a.ids[:len(b.ids)] == b.ids[:len(a.ids)]
+                                                 for a, b in zip(reqs, eager_reqs)) / n})
+        rows[-1]["sampler_vs_generate"] = rows[-1]["sampler_tokens_per_s"] / rows[-1]["generate_tokens_per_s"]
         if n == sc["requests"][0]:  # the batch the trainer checks update on
-            s["prompts"], s["episodes"] = prompts, episodes(reqs, prompts)
+            s["prompts"], s["episodes"], s["sampler_seconds"] = prompts, episodes(reqs, prompts), first_s + decode_s
     kl, gap = mismatch(s["model"], s["episodes"], device, sc["micro"])
     return {"ok": all(r["decode_tokens_per_s"] > 0 and r["generate_tokens_per_s"] > 0 for r in rows) and kl < 0.05,
-            "params": s["params"], "weights_gb": weights_gb, "prompt": sc["prompt"], "max_new_tokens": sc["new"],
-            "batches": rows, "mismatch_kl": kl, "mismatch_abs": gap}
+            "decoding": graphed.decoding, "params": s["params"], "weights_gb": weights_gb, "prompt": sc["prompt"],
+            "max_new_tokens": sc["new"], "batches": rows, "mismatch_kl": kl, "mismatch_abs": gap}
 
 
 def random_prompts(n: int, sc: dict) -> list[list[int]]:
@@ -185,11 +197,10 @@ def random_prompts(n: int, sc: dict) -> list[list[int]]:
     return torch.randint(3, sc["vocab"], (n, sc["prompt"]), generator=torch.Generator().manual_seed(n)).tolist()
 
 
-def decode(model, prompts, new: int, budget_s: float) -> tuple[float, float, list[Request]]:
-    """The engine's sampler on `prompts` (all joining at once, no stop token, `new` tokens or as many as `budget_s`
-    allows): seconds of its first step (the prefill and every request's first token), seconds of the decode steps
-    after it, and the requests."""
-    sampler = Sampler(model, stop_ids=[], pad_id=0, temperature=1.0)
+def decode(sampler: Sampler, prompts, new: int, budget_s: float) -> tuple[float, float, list[Request]]:
+    """`sampler` on `prompts` (all joining at once, no stop token, `new` tokens or as many as `budget_s` allows):
+    seconds of its first step (the prefill and every request's first token), seconds of the decode steps after it,
+    and the requests."""
     reqs = [Request(p, new, False, i) for i, p in enumerate(prompts)]
     sampler.pending += reqs
     t0 = time.perf_counter()
@@ -197,6 +208,8 @@ def decode(model, prompts, new: int, budget_s: float) -> tuple[float, float, lis
     t1 = time.perf_counter()
     while sampler.active and time.perf_counter() - t0 < budget_s:
         sampler.step()
+    sampler.active, sampler.cache, sampler.mask = [], None, None  # what the budget cut off ends here
+    sampler.parked.clear()  # the finished requests' keys/values, kept for next turns that never come
     return t1 - t0, time.perf_counter() - t1, reqs
 
 

@@ -16,7 +16,7 @@ import torch
 from molt_engine.config import ModelConfig
 from molt_engine.inference.sampler import Request, Sampler
 from molt_engine.inference.sampler_process import SamplerProcess
-from molt_engine.inference.static import bucket
+from molt_engine.inference.static import StaticDecode, bucket, free_tokens, positions
 from molt_engine.models import char_tokenizer, load_policy
 
 SERVING = ("fastapi", "uvicorn", "openai", "httpx")
@@ -151,3 +151,32 @@ def test_the_captured_decode_step_decodes_exactly_as_the_eager_one_on_cuda():
     model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
     sampler = assert_same_decoding(model.cuda(), True)
     assert sampler.static.graphs  # graphs were captured and replayed
+
+
+def test_a_decode_step_runs_in_the_smallest_bucket_that_holds_its_rows():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 200, 256, 257, 512)] == [1, 2, 4, 4, 8, 256, 256, 512, 512]
+    with pytest.raises(ValueError, match="513 rows are more than the largest decode bucket"):
+        bucket(513)
+
+
+def test_static_buffers_hold_as_many_rows_as_the_budget_allows_at_the_longest_requests_length():
+    assert [positions(n) for n in (1, 64, 65, 300, 512, 513)] == [64, 64, 128, 512, 512, 1024]
+    model, _ = load_policy(ModelConfig(preset="tiny-dense"), seed=1)
+    text = model.config
+    token_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
+    sampler = Sampler(model, [], 0, temperature=1.0, kv_budget_gb=300 * token_bytes / 1e9, cuda_graphs="uncaptured")
+    assert sampler.static.kv_tokens == 300
+    assert [sampler.static.rows(n) for n in (10, 64, 100, 200, 400)] == [4, 4, 2, 1, 1]  # 300 // 64, 300 // 128, ...
+    assert StaticDecode(model, 10**9, capture=False).rows(64) == 512  # the largest bucket, whatever the memory
+    # The sampler admits no more rows than the buffers hold: of 6 requests of 100 tokens, 2 decode, 4 wait
+    sampler.pending = [Request([3] * 40, 60, False, seed) for seed in range(6)]
+    joining, waiting = sampler._admit()
+    assert (len(joining), len(waiting)) == (2, 4)
+    sampler.pending = joining
+    sampler.step()  # their prefill
+    sampler.step()  # a decode step: the buffers exist, 2 rows of 100 tokens rounded up to 128 positions
+    assert [tuple(layer.buffers[0].shape) for layer in sampler.static.cache.layers][0] == \
+        (2, text.num_key_value_heads, 128, text.head_dim)
+    # Without a budget: a share of the free memory
+    assert free_tokens(torch.device("cpu"), token_bytes) > 0
+    assert Sampler(model, [], 0, temperature=1.0, cuda_graphs=True).decoding == "eager"  # the CPU: no CUDA graphs

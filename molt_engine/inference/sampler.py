@@ -31,6 +31,17 @@ class RoomyLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def decoding(model, cuda_graphs: bool | str) -> str:
+    """Which path decodes (loop.cuda_graphs): "CUDA graphs" for a dense text model on CUDA, "static shapes" (the same
+    step without capture) when `cuda_graphs` is "uncaptured" (the CPU tests), else "eager": the CPU, MoE and VLM
+    policies."""
+    if not cuda_graphs or routers(model) or model.config.get_text_config() is not model.config:
+        return "eager"
+    if cuda_graphs == "uncaptured":
+        return "static shapes"
+    return "CUDA graphs" if next(model.parameters()).device.type == "cuda" else "eager"
+
+
 @dataclass
 class Request:
     context: list[int]            # the whole episode so far: prompt, earlier actions, env feedback
@@ -69,13 +80,10 @@ class Sampler:
         token_bytes = 2 * text.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
-        # Decode steps on static buffers, as CUDA graphs (loop.cuda_graphs): dense text models on CUDA; the same step
-        # without capture when `cuda_graphs` is "uncaptured" (the CPU tests). MoE and VLM policies decode eagerly.
-        self.static = None
-        if cuda_graphs and not self.routers and model.config.get_text_config() is model.config:
+        self.decoding, self.static = decoding(model, cuda_graphs), None
+        if self.decoding != "eager":  # static buffers sized by the budget, or by the free memory without one
             tokens = self.kv_tokens or free_tokens(self.device, token_bytes)
-            self.static = StaticDecode(model, tokens, capture=cuda_graphs != "uncaptured")
-        self.decoding = "eager" if self.static is None else "CUDA graphs" if self.static.capture else "static shapes"
+            self.static = StaticDecode(model, tokens, capture=self.decoding == "CUDA graphs")
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
@@ -213,8 +221,10 @@ class Sampler:
         sampled = torch.searchsorted(cdf, point[:, None], right=True)[:, 0]  # first token whose cdf passes the point
         tokens = torch.where(torch.tensor([req.greedy for req in reqs], device=self.device), logp.argmax(-1), sampled)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
-        for i, (req, token, lp, h) in enumerate(zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist())):
-            req.ids.append(token)
+        # one host synchronisation for the step's results (float64 holds every token id and float32 value exactly)
+        tokens, chosen, entropy = torch.stack([tokens.double(), chosen.double(), entropy.double()]).tolist()
+        for i, (req, token, lp, h) in enumerate(zip(reqs, tokens, chosen, entropy)):
+            req.ids.append(int(token))
             req.logprobs.append(lp)
             req.versions.append(self.version)
             req.entropies.append(h)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import torch
 import torch.multiprocessing as mp
 
-from .sampler import Request, Sampler
+from .sampler import Request, Sampler, decoding
 
 RESULTS = ("ids", "logprobs", "versions", "experts", "entropies", "top_logprobs")  # what a finished request brings back
 
@@ -27,6 +27,7 @@ class SamplerProcess:
 
     def __init__(self, model, **kwargs):
         self.model, self.temperature = model, kwargs["temperature"]  # the parent's copy: what checkpoints save through
+        self.decoding = decoding(model, kwargs.get("cuda_graphs", False))  # the child's path, as a Sampler's
         context = mp.get_context("spawn")  # a fork would copy the trainer's threads' locks (OpenMP's) into the child
         self.results, results = context.Pipe(duplex=False)
         requests, self.requests = context.Pipe(duplex=False)
