@@ -122,7 +122,8 @@ class StaticDecode:
                 self.forward(size)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the trainer's thread may use the GPU meanwhile (max_staleness > 0)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self.forward(size)
             self.graphs[size], self.pool = (graph, logits), graph.pool()
         graph, logits = self.graphs[size]
