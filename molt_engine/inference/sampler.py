@@ -1,4 +1,5 @@
-"""The sampler: KV-cache decoding batched across all episodes (a row per distinct sequence), stamping logprob and version."""
+"""The sampler: KV-cache decoding batched across all episodes (a row per distinct sequence), stamping logprob and version;
+its decode steps eager, or on static buffers as CUDA graphs (static.py)."""
 import asyncio
 import time
 from dataclasses import dataclass, field
