@@ -167,7 +167,7 @@ def test_static_buffers_hold_as_many_rows_as_the_budget_allows_at_the_longest_re
     sampler = Sampler(model, [], 0, temperature=1.0, kv_budget_gb=300 * token_bytes / 1e9, cuda_graphs="uncaptured")
     assert sampler.static.kv_tokens == 300
     assert [sampler.static.rows(n) for n in (10, 64, 100, 200, 400)] == [4, 4, 2, 1, 1]  # 300 // 64, 300 // 128, ...
-    assert StaticDecode(model, 10**9, capture=False).rows(64) == 512  # the largest bucket, whatever the memory
+    assert StaticDecode(model, 10**9, token_bytes, capture=False).rows(64) == 512  # the largest bucket at most
     # The sampler admits no more rows than the buffers hold: of 6 requests of 100 tokens, 2 decode, 4 wait
     sampler.pending = [Request([3] * 40, 60, False, seed) for seed in range(6)]
     joining, waiting = sampler._admit()
@@ -177,6 +177,8 @@ def test_static_buffers_hold_as_many_rows_as_the_budget_allows_at_the_longest_re
     sampler.step()  # a decode step: the buffers exist, 2 rows of 100 tokens rounded up to 128 positions
     assert [tuple(layer.buffers[0].shape) for layer in sampler.static.cache.layers][0] == \
         (2, text.num_key_value_heads, 128, text.head_dim)
-    # Without a budget: a share of the free memory
+    # Without a budget: a share of the memory free when requests first come
+    unbudgeted = StaticDecode(model, None, token_bytes, capture=False)
+    assert unbudgeted.kv_tokens is None and unbudgeted.rows(64) >= 1 and unbudgeted.kv_tokens > 0
     assert free_tokens(torch.device("cpu"), token_bytes) > 0
     assert Sampler(model, [], 0, temperature=1.0, cuda_graphs=True).decoding == "eager"  # the CPU: no CUDA graphs

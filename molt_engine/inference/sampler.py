@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from ..episode import without_placeholder
 from ..models import routers
-from .static import StaticDecode, free_tokens
+from .static import StaticDecode
 
 
 class RoomyLayer(DynamicLayer):
@@ -83,8 +83,7 @@ class Sampler:
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
         self.decoding, self.static = decoding(model, cuda_graphs), None
         if self.decoding != "eager":  # static buffers sized by the budget, or by the free memory without one
-            tokens = self.kv_tokens or free_tokens(self.device, token_bytes)
-            self.static = StaticDecode(model, tokens, capture=self.decoding == "CUDA graphs")
+            self.static = StaticDecode(model, self.kv_tokens, token_bytes, capture=self.decoding == "CUDA graphs")
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step

@@ -52,12 +52,13 @@ class StaticLayer(DynamicLayer):
 
 
 class StaticDecode:
-    """The Sampler's decode step on static buffers. `kv_tokens` (rows x positions) sizes the buffers; `capture`:
-    CUDA graphs, one per bucket, sharing one memory pool. A published version is loaded into the model's parameters
-    in place (Sampler.step), which the graphs read: no recapture."""
+    """The Sampler's decode step on static buffers. `kv_tokens` (rows x positions) sizes the buffers; None: a share of
+    the memory free when the sampler first admits requests (after the samplers and the trainer made theirs, an eval's
+    sampler sees what the training one took); `capture`: CUDA graphs, one per bucket, sharing one memory pool. A
+    published version is loaded into the model's parameters in place (Sampler.step), which the graphs read."""
 
-    def __init__(self, model, kv_tokens: int, capture: bool):
-        self.model, self.kv_tokens, self.capture = model, kv_tokens, capture
+    def __init__(self, model, kv_tokens: int | None, token_bytes: int, capture: bool):
+        self.model, self.kv_tokens, self.token_bytes, self.capture = model, kv_tokens, token_bytes, capture
         text, param = model.config.get_text_config(), next(model.parameters())
         self.heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -67,6 +68,8 @@ class StaticDecode:
     def rows(self, longest: int) -> int:
         """Rows the buffers hold when the longest request has `longest` tokens (context and max_tokens): what the
         sampler admits. At least one, so that a request larger than the budget still runs."""
+        if self.kv_tokens is None:
+            self.kv_tokens = free_tokens(self.param.device, self.token_bytes)
         return max(1, min(BUCKETS[-1], self.kv_tokens // positions(longest)))
 
     def allocate(self, longest: int):
