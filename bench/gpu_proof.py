@@ -17,7 +17,7 @@ check failed. ok null = skipped, with the reason in "skipped" (the CUDA-only che
   trainer        train_step (GRPO, AdamW) on those 64 samples, whole batch and micro-batches: tokens/s (all tokens),
                  MFU = (6 N tokens + causal attention 6 L d sum(len^2)) / s / --peak-tflops, peak memory
   two_jobs       the sampler's tokens/s on the 64 prompts alone, then while the trainer updates in the same process
-                 (asyncio + worker threads, as in a run); 45 s at most each
+                 (asyncio + worker threads, as in a run; the run's decode path); 45 s at most each
   oom            a real out-of-memory: GPU memory capped (set_per_process_memory_fraction) between what the whole
                  batch and a micro-batch need; train_step_fitting splits the step; its weights vs a step run at the
                  micro-batch size that fit (SGD, lr 1: the weight change is the gradient)
@@ -293,7 +293,9 @@ def check_two_jobs(args, s):
     sc = args.scale
 
     async def sample(with_trainer: bool) -> tuple[float, list[float]]:
-        sampler, stop, steps = Sampler(s["sampler_model"], stop_ids=[], pad_id=0, temperature=1.0), [], []
+        # the run's decode path: on CUDA its graphs are captured while the trainer's thread uses the GPU
+        sampler = Sampler(s["sampler_model"], stop_ids=[], pad_id=0, temperature=1.0, cuda_graphs=True)
+        stop, steps = [], []
         runner = asyncio.create_task(sampler.run())
 
         async def trainer():  # the engine's trainer coroutine: each update in a worker thread
