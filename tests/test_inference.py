@@ -13,6 +13,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
+from molt_engine import NullSink, train
 from molt_engine.config import ModelConfig
 from molt_engine.inference.sampler import Request, Sampler
 from molt_engine.inference.sampler_process import SamplerProcess
@@ -182,3 +183,29 @@ def test_static_buffers_hold_as_many_rows_as_the_budget_allows_at_the_longest_re
     assert unbudgeted.kv_tokens is None and unbudgeted.rows(64) >= 1 and unbudgeted.kv_tokens > 0
     assert free_tokens(torch.device("cpu"), token_bytes) > 0
     assert Sampler(model, [], 0, temperature=1.0, cuda_graphs=True).decoding == "eager"  # the CPU: no CUDA graphs
+
+
+class Events(NullSink):
+    def __init__(self):
+        self.events, self.steps = [], {}
+
+    def event(self, kind, message, **data):
+        self.events.append((kind, message))
+
+    def metrics(self, step, values):
+        self.steps[step] = values
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampler_process", [False, True])
+def test_a_run_on_cuda_decodes_with_cuda_graphs_beside_its_trainer(sampler_process):
+    """max_staleness 1: the graphs are captured and replayed while the trainer's thread (or, with the sampler in a
+    child process, the parent) uses the GPU; published versions reach the graphs in place."""
+    sink = Events()
+    summary = train({"env": "max_digit", "model": {"device": "cuda", "dtype": "bfloat16"}, "warm_start": {"steps": 5},
+                     "loop": {"steps": 4, "groups_per_step": 4, "group_size": 4, "eval_every": 0, "max_staleness": 1,
+                              "sampler_process": sampler_process}}, sink)
+    assert summary["status"] == "completed"
+    assert any(kind == "device" and message.endswith("CUDA graphs decoding") for kind, message in sink.events)
+    assert max(v["staleness_max"] for v in sink.steps.values()) <= 1
+    assert all(v["mismatch_kl"] < 1e-2 for v in sink.steps.values())  # the graphs sample what the trainer computes
