@@ -34,7 +34,7 @@ from daemon.records import Records  # noqa: E402
 from molt_engine.config import RunConfig  # noqa: E402
 from molt_engine.loop import Training  # noqa: E402
 from molt_engine.models import load_policy  # noqa: E402
-from molt_engine.sampler import Sampler  # noqa: E402
+from molt_engine.inference.sampler import Sampler  # noqa: E402
 from molt_engine.sink import NullSink  # noqa: E402
 
 

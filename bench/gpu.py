@@ -21,7 +21,7 @@ from molt_engine.config import RunConfig  # noqa: E402
 from molt_engine.episode import Episode  # noqa: E402
 from molt_engine.loop import train  # noqa: E402
 from molt_engine.models import char_tokenizer  # noqa: E402
-from molt_engine.sampler import Sampler  # noqa: E402
+from molt_engine.inference.sampler import Sampler  # noqa: E402
 from molt_engine.update import train_step  # noqa: E402
 
 

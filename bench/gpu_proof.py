@@ -8,32 +8,42 @@ check failed. ok null = skipped, with the reason in "skipped" (the CUDA-only che
   learn          max_digit on the device in bf16 (engine defaults, --seed) to greedy eval >= 0.9 (then it stops);
                  samples/s
   sampler        a random-init Qwen2 of Qwen2.5-0.5B's shape in bf16; the engine's sampler at 64 and 256 requests
-                 (distinct random 256-token prompts, no stop token, 256 new tokens or what 45 s allow): prefill
+                 (distinct random 256-token prompts, no stop token, 256 new tokens or what 45 s allow) on its decode
+                 path ("decoding": CUDA graphs on a GPU, the same static-shape step uncaptured on a CPU): prefill
                  tokens/s (over its first step, which also samples each first token: a lower bound) and decode
-                 tokens/s, beside transformers' generate on the same model, batch and length; peak memory;
-                 mismatch_kl of the trainer's log-probs (fp32 weights, bf16 autocast) vs the sampler's (64 requests)
+                 tokens/s, beside the eager decode steps and transformers' generate on the same model, batch and
+                 length; peak memory; the share of requests whose tokens are the eager path's; mismatch_kl of the
+                 trainer's log-probs (fp32 weights, bf16 autocast) vs the sampler's (64 requests)
   trainer        train_step (GRPO, AdamW) on those 64 samples, whole batch and micro-batches: tokens/s (all tokens),
                  MFU = (6 N tokens + causal attention 6 L d sum(len^2)) / s / --peak-tflops, peak memory
   two_jobs       the sampler's tokens/s on the 64 prompts alone, then while the trainer updates in the same process
-                 (asyncio + worker threads, as in a run); 45 s at most each
+                 (asyncio + worker threads, as in a run; the run's decode path); 45 s at most each
   oom            a real out-of-memory: GPU memory capped (set_per_process_memory_fraction) between what the whole
                  batch and a micro-batch need; train_step_fitting splits the step; its weights vs a step run at the
                  micro-batch size that fit (SGD, lr 1: the weight change is the gradient)
   multiturn      calculator (multi-turn tool use) at max_staleness 2, the sampler in the loop's process, then in its
                  own (loop.sampler_process: published weights cross as CUDA IPC handles); completions/s, staleness_max
+  trl            TRL's GRPOTrainer (transformers generation) on the sampler check's shape and batch (8 prompts x 8
+                 completions of 256 tokens): seconds/step and rollout tokens/s (medians), against the engine's
+                 sampler + update on the same batch; skipped on a CPU or without trl
   machine_panel  the runs page's GPU numbers (nvidia-ml-py: utilisation, memory), read every 0.5 s during the run
 
 On the GPU machine (an H200: offline, Python 3.12, torch 2.11, transformers 5.17), 201 s on 2026-12-04. The engine needs
-transformers 5.24 (models take and return `cache`; 5.17 to 5.23 call it past_key_values), and its imports need
-pydantic, openai, httpx, uvicorn and fastapi beyond the image's packages (molt_engine/__init__ and the rollout import
-serving/, whose server never starts here; datasets and math-verify load only with the dataset env). Fetch them here
-(24 wheels, 20 MB) and carry .whl:
+transformers 5.24 (models take and return `cache`; 5.17 to 5.23 call it past_key_values) and pydantic beyond the
+image's packages: the serving stack (fastapi, uvicorn, openai, httpx) loads only when an agent env runs, and datasets
+and math-verify only with the dataset env. The trl check also needs trl and what it lacks there (accelerate,
+datasets and theirs); without them it is skipped. Fetch them here and carry .whl:
 
   echo /.whl/ >> .git/info/exclude; W="--only-binary=:all: --python-version 3.12 --implementation cp -d .whl"
-  python3 -m pip download $W --platform manylinux2014_x86_64 pydantic openai httpx uvicorn fastapi
+  python3 -m pip download $W --platform manylinux2014_x86_64 pydantic
   python3 -m pip download $W --no-deps transformers==5.24.0
+  python3 -m pip download $W --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 trl  # the trl check
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl &&
       export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 bench/gpu_proof.py --out $OUT/gpu_proof.jsonl
+
+(`pip download trl` also fetches torch and transformers for its dependency list: delete those wheels from .whl before
+carrying, the image has its own torch.) The decode path's equality tests with capture: `python -m pytest -m gpu
+tests/test_inference.py`.
 
 At toy scale on a CPU (tests/test_gpu_proof.py), a minute or two:  python bench/gpu_proof.py --device cpu --tiny
 """
@@ -61,7 +71,7 @@ from molt_engine.algo import kl_penalty  # noqa: E402
 from molt_engine.breaker import Breaker  # noqa: E402
 from molt_engine.episode import Episode, collate, to_device, token_logprobs  # noqa: E402
 from molt_engine.loop import Training  # noqa: E402
-from molt_engine.sampler import Request, Sampler  # noqa: E402
+from molt_engine.inference.sampler import Request, Sampler  # noqa: E402
 from molt_engine.update import train_step, train_step_fitting  # noqa: E402
 
 # Qwen2.5-0.5B's published shape, and a toy one that keeps its proportions (grouped KV heads, tied embeddings).
@@ -156,28 +166,41 @@ def check_sampler(args, s):
     s["sampler_model"] = model = copy.deepcopy(s["model"]).to(torch.bfloat16).eval()  # as the engine makes it
     s["params"] = sum(p.numel() for p in s["model"].parameters())  # tied embeddings counted once
     weights_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # in every peak below
-    decode(model, random_prompts(2, sc), 4, sc["budget_s"])  # warm-up: kernels, allocator
+    # The engine's decode path: CUDA graphs on a GPU, the same static-shape step uncaptured on a CPU; and the eager
+    # steps beside it. One sampler each for every batch: the graphs (one per bucket) are captured once.
+    graphed = Sampler(model, [], 0, temperature=1.0, cuda_graphs=True if device.type == "cuda" else "uncaptured")
+    eager = Sampler(model, [], 0, temperature=1.0)
+    decode(eager, random_prompts(2, sc), 4, sc["budget_s"])  # warm-up: kernels, allocator
     generate(model, random_prompts(2, sc), 4)
     rows = []
     for n in sc["requests"]:
         prompts = random_prompts(n, sc)
+        decode(graphed, prompts, 3, sc["budget_s"])  # captures this batch's bucket: the timed run replays it
         peak_gb(device)
-        first_s, decode_s, reqs = decode(model, prompts, sc["new"], sc["budget_s"])
+        first_s, decode_s, reqs = decode(graphed, prompts, sc["new"], sc["budget_s"])
         sampler_peak, new = peak_gb(device), len(reqs[0].ids)  # all requests decode in step
+        _, eager_s, eager_reqs = decode(eager, prompts, new, sc["budget_s"])
         generate_s = generate(model, prompts, new)
         rows.append({"requests": n, "new_tokens": new, "first_step_seconds": first_s,
                      "prefill_tokens_per_s": n * sc["prompt"] / first_s, "decode_step_seconds": decode_s / (new - 1),
                      "decode_tokens_per_s": n * (new - 1) / decode_s,
+                     "eager_decode_tokens_per_s": n * (len(eager_reqs[0].ids) - 1) / eager_s,
                      "sampler_tokens_per_s": n * new / (first_s + decode_s),
                      "generate_tokens_per_s": n * new / generate_s, "sampler_seconds": first_s + decode_s,
                      "generate_seconds": generate_s, "sampler_peak_gb": sampler_peak,
-                     "generate_peak_gb": peak_gb(device)})
+                     "generate_peak_gb": peak_gb(device),
+                     # requests whose tokens are the eager path's (in fp32 all are: tests/test_inference.py; in bf16 a
+                     # rounding difference may move a sample across a token boundary, and the request diverges there)
+                     "same_tokens_as_eager": sum(a.ids[:len(b.ids)] == b.ids[:len(a.ids)]
+                                                 for a, b in zip(reqs, eager_reqs)) / n})
+        rows[-1]["sampler_vs_generate"] = rows[-1]["sampler_tokens_per_s"] / rows[-1]["generate_tokens_per_s"]
         if n == sc["requests"][0]:  # the batch the trainer checks update on
             s["prompts"], s["episodes"] = prompts, episodes(reqs, prompts)
+            s["rollout"] = first_s + decode_s, new  # seconds, new tokens (fewer when the time budget cut it)
     kl, gap = mismatch(s["model"], s["episodes"], device, sc["micro"])
     return {"ok": all(r["decode_tokens_per_s"] > 0 and r["generate_tokens_per_s"] > 0 for r in rows) and kl < 0.05,
-            "params": s["params"], "weights_gb": weights_gb, "prompt": sc["prompt"], "max_new_tokens": sc["new"],
-            "batches": rows, "mismatch_kl": kl, "mismatch_abs": gap}
+            "decoding": graphed.decoding, "params": s["params"], "weights_gb": weights_gb, "prompt": sc["prompt"],
+            "max_new_tokens": sc["new"], "batches": rows, "mismatch_kl": kl, "mismatch_abs": gap}
 
 
 def random_prompts(n: int, sc: dict) -> list[list[int]]:
@@ -185,11 +208,10 @@ def random_prompts(n: int, sc: dict) -> list[list[int]]:
     return torch.randint(3, sc["vocab"], (n, sc["prompt"]), generator=torch.Generator().manual_seed(n)).tolist()
 
 
-def decode(model, prompts, new: int, budget_s: float) -> tuple[float, float, list[Request]]:
-    """The engine's sampler on `prompts` (all joining at once, no stop token, `new` tokens or as many as `budget_s`
-    allows): seconds of its first step (the prefill and every request's first token), seconds of the decode steps
-    after it, and the requests."""
-    sampler = Sampler(model, stop_ids=[], pad_id=0, temperature=1.0)
+def decode(sampler: Sampler, prompts, new: int, budget_s: float) -> tuple[float, float, list[Request]]:
+    """`sampler` on `prompts` (all joining at once, no stop token, `new` tokens or as many as `budget_s` allows):
+    seconds of its first step (the prefill and every request's first token), seconds of the decode steps after it,
+    and the requests."""
     reqs = [Request(p, new, False, i) for i, p in enumerate(prompts)]
     sampler.pending += reqs
     t0 = time.perf_counter()
@@ -197,6 +219,8 @@ def decode(model, prompts, new: int, budget_s: float) -> tuple[float, float, lis
     t1 = time.perf_counter()
     while sampler.active and time.perf_counter() - t0 < budget_s:
         sampler.step()
+    sampler.active, sampler.cache, sampler.mask = [], None, None  # what the budget cut off ends here
+    sampler.parked.clear()  # the finished requests' keys/values, kept for next turns that never come
     return t1 - t0, time.perf_counter() - t1, reqs
 
 
@@ -257,6 +281,7 @@ def check_trainer(args, s):
         sync(device)
         seconds, peak = time.perf_counter() - t0, peak_gb(device)
         s["need_gb"][micro] = peak - base  # what the step itself takes beyond what was there before it
+        s["update_seconds"] = seconds  # the last: micro-batches, as the trl check's engine step
         rows.append({"micro_batch_size": micro, "tokens_per_s": sum(lengths) / seconds, "step_seconds": seconds,
                      "mfu": flops / seconds / (args.peak_tflops * 1e12) if args.peak_tflops else None,
                      "peak_gb": peak, "grad_norm": metrics["grad_norm"], "mismatch_kl": metrics["mismatch_kl"]})
@@ -268,7 +293,9 @@ def check_two_jobs(args, s):
     sc = args.scale
 
     async def sample(with_trainer: bool) -> tuple[float, list[float]]:
-        sampler, stop, steps = Sampler(s["sampler_model"], stop_ids=[], pad_id=0, temperature=1.0), [], []
+        # the run's decode path: on CUDA its graphs are captured while the trainer's thread uses the GPU
+        sampler = Sampler(s["sampler_model"], stop_ids=[], pad_id=0, temperature=1.0, cuda_graphs=True)
+        stop, steps = [], []
         runner = asyncio.create_task(sampler.run())
 
         async def trainer():  # the engine's trainer coroutine: each update in a worker thread
@@ -332,6 +359,71 @@ def check_oom(args, s):
             "max_abs_update": update}
 
 
+def check_trl(args, s):
+    """TRL's GRPOTrainer (its transformers generation: vLLM cannot be installed where this runs) on the sampler
+    check's shape and batch: 8 prompts of `prompt` random tokens x 8 completions of exactly `new` tokens, bf16, AdamW,
+    no KL; seconds per step and rollout tokens/s, median over steps after the first. The engine's step on the same
+    batch: the sampler check's 64 requests (its decode path) plus the trainer check's update (micro-batches)."""
+    if torch.device(args.device).type != "cuda":
+        return {"ok": None, "skipped": "needs CUDA: TRL's GRPOTrainer is measured on a GPU only"}
+    try:
+        import trl
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        return {"ok": None, "skipped": f"trl is not installed here ({e})"}
+    import tempfile
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
+
+    device, sc, steps = torch.device(args.device), args.scale, 4
+    # A word per token id ("t0" .. "t151935"): prompts tokenize to exactly the ids the engine's sampler ran on
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(sc["vocab"])}, unk_token="t2"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+    prompts = [" ".join(f"t{i}" for i in p) for p in random_prompts(GROUP * steps, sc)]
+    step_s, rollout_s = [], []
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            sync(device)
+            step_s.append(-time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            sync(device)
+            step_s[-1] += time.perf_counter()
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(output_dir=out, bf16=True, report_to=[], disable_tqdm=True, save_strategy="no",
+                            max_steps=steps, logging_steps=1, per_device_train_batch_size=GROUP * GROUP,
+                            num_generations=GROUP, steps_per_generation=1, num_iterations=1, shuffle_dataset=False,
+                            max_completion_length=sc["new"], generation_kwargs={"min_new_tokens": sc["new"]},
+                            temperature=1.0, top_p=1.0, top_k=0, beta=0.0, learning_rate=1e-6,
+                            gradient_checkpointing=False, optim="adamw_torch")
+        trainer = GRPOTrainer(model=copy.deepcopy(s["model"]), args=config, processing_class=tokenizer,
+                              reward_funcs=lambda completions, **_: [float(i % 2) for i in range(len(completions))],
+                              train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Steps()])
+        generate_batch = trainer._generate  # TRL's rollout (a private method: the one place generation happens)
+
+        def timed(*a, **kw):
+            sync(device)
+            t0 = time.perf_counter()
+            result = generate_batch(*a, **kw)
+            sync(device)
+            rollout_s.append(time.perf_counter() - t0)
+            return result
+        trainer._generate = timed
+        trainer.train()
+    tokens = GROUP * GROUP * sc["new"]
+    trl_step, trl_rollout = statistics.median(step_s[1:]), statistics.median(rollout_s[1:])
+    ours_rollout = s["rollout"][0] * sc["new"] / s["rollout"][1]  # at `new` tokens, had the budget cut it
+    ours_step = ours_rollout + s["update_seconds"]
+    return {"ok": True, "trl": trl.__version__, "steps": len(step_s), "completions_per_step": GROUP * GROUP,
+            "new_tokens": sc["new"], "trl_step_seconds": trl_step, "trl_rollout_tokens_per_s": tokens / trl_rollout,
+            "ours_step_seconds": ours_step, "ours_rollout_tokens_per_s": tokens / ours_rollout,
+            "step_speedup": trl_step / ours_step, "rollout_speedup": trl_rollout / ours_rollout}
+
+
 def watch_panel(readings: list, stop: threading.Event):
     """The machine panel's numbers (app/pages.py machine_gpus) every 0.5 s until `stop`; an error string if none."""
     try:
@@ -382,7 +474,7 @@ def peak_gb(device) -> float:
 
 
 CHECKS = {"setup": check_setup, "learn": check_learn, "sampler": check_sampler, "trainer": check_trainer,
-          "two_jobs": check_two_jobs, "oom": check_oom, "multiturn": check_multiturn,
+          "two_jobs": check_two_jobs, "oom": check_oom, "multiturn": check_multiturn, "trl": check_trl,
           "machine_panel": check_machine_panel}
 
 

@@ -18,7 +18,7 @@ def measure(vocab: int, requests: int, max_tokens: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from molt_engine.sampler import Request, Sampler
+    from molt_engine.inference.sampler import Request, Sampler
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=max_tokens + 64,

@@ -61,7 +61,7 @@ from molt_engine.envs import _OPS, _TOOL_CALL, EVAL_SEEDS, Calculator, make_env
 from molt_engine.loop import Training
 from molt_engine.models import load_policy
 from molt_engine.rollout import Rollout
-from molt_engine.sampler import Sampler
+from molt_engine.inference.sampler import Sampler
 from molt_engine.update import train_step
 from trl_vs_molt import (CALCULATOR_WARM_START, CLIP_HIGH, CLIP_LOW, GROUP_SIZE, LATENCY, MAX_GRAD_NORM, PART2_LR,
                          PROMPTS_PER_STEP, SAMPLES_PER_STEP, TEMPERATURE, Timeline, Timing, _trl_version, fmt_ratio,

@@ -56,7 +56,7 @@ async def evaluate(engine, eval_id: int, directory: Path):
     from molt_engine.envs import EVAL_SEEDS
     from molt_engine.models import load_policy
     from molt_engine.rollout import Rollout
-    from molt_engine.sampler import Sampler
+    from molt_engine.inference.sampler import Sampler
     from molt_engine.samples import record
 
     with Session(engine) as s:

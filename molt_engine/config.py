@@ -77,6 +77,8 @@ class LoopConfig(_Strict):
     eval_episodes: int = Field(32, gt=0)
     threads: int | None = Field(None, gt=0, description="update's torch threads (default: cores, one less off-policy)")
     sampler_process: bool = Field(False, description="decode in a child process (max_staleness > 0)")
+    cuda_graphs: bool = Field(True, description="on CUDA, decode steps as CUDA graphs on static buffers (dense text "
+                              "models); false: eager steps, as on the CPU")
     env_error_window: int = Field(32, gt=0, description="episodes; the run stops when more than half of them failed")
     kv_budget_gb: float | None = Field(None, gt=0, description="most KV-cache memory the sampler takes; requests "
                                        "beyond it queue; None = no limit")

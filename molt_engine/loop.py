@@ -25,8 +25,8 @@ from .config import RunConfig
 from .episode import Episode
 from .models import load_policy, merged, routers
 from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
-from .sampler import Sampler
-from .serving.sampler_process import SamplerProcess
+from .inference.sampler import Sampler
+from .inference.sampler_process import SamplerProcess
 from .samples import record, training_samples
 from .sink import NullSink, Sink
 from .update import batch_metrics, eval_metrics, memory_metrics, one_per_episode, train_step_fitting
@@ -151,19 +151,19 @@ class Training:
                 self.reference.load_state_dict(self.model.state_dict())
         device, dtype, count = next(self.model.parameters()).device, self.cfg.model.dtype, self.model.num_parameters
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
-        self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype,
-                        trainable=count(only_trainable=True), parameters=count())  # the run page shows the share
         self.published = dist.full_weights(self.model)
         # The sampler's own copy in model.dtype on the same device: publishing casts into it, device to device. Evals
         # decode on a copy of their own, so that one eval is one policy while training publishes (more memory).
         loop, policy = self.cfg.loop, copy.deepcopy(self.model)  # LoRA: the sampler's is a plain model, merged weights
         policy = (policy.merge_and_unload() if self.cfg.model.lora else policy).to(getattr(torch, dtype))
         kw = dict(stop_ids=self.stops, pad_id=self.pad_id, version=self.version, temperature=loop.temperature,
-                  kv_budget_gb=loop.kv_budget_gb)
+                  kv_budget_gb=loop.kv_budget_gb, cuda_graphs=loop.cuda_graphs)
         self.sampler = (SamplerProcess(policy, **kw) if loop.sampler_process else
                         Sampler(policy, **kw, executor=None if loop.max_staleness else self.compute))
         # More than one process: rank 0 evaluates
         self.eval_sampler = Sampler(copy.deepcopy(policy), **kw) if loop.eval_every and dist.rank() == 0 else None
+        self.sink.event("device", f"training on {device}{name} in {dtype}, {self.sampler.decoding} decoding", device=str(device),
+                        dtype=dtype, decoding=self.sampler.decoding, trainable=count(only_trainable=True), parameters=count())
         self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)  # samplers: plain copies
 
     def request_stop(self):

@@ -13,7 +13,7 @@ from .algo import masked_mean
 from .chat import PARSERS, Template, run_tools
 from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, make_env, resolve
 from .episode import Episode, collate, to_device, token_logprobs
-from .serving.server import AgentServer, template_message
+from .serving.core import template_message
 
 
 class EnvError(Exception):
@@ -43,6 +43,7 @@ class Rollout:
         self.notes, self.tools, self.server = list(env.notes), {}, None
         self.demonstrates = type(env).demonstration not in (Env.demonstration, Agent.demonstration)
         if isinstance(env, Agent):  # its requests come to a loopback OpenAI server (Training runs `server.serve`)
+            from .serving.server import AgentServer  # here: only agents load the serving stack (fastapi, uvicorn)
             model = Path(cfg.model.path).name if cfg.model.path else cfg.model.preset
             self.server = AgentServer(self.tokenizer, stops, context_limit, self.parse, model, cfg.seed)
         else:

@@ -19,7 +19,7 @@ from molt_engine.config import ModelConfig
 from molt_engine.envs import DEMO_SEEDS
 from molt_engine.models import chat_tokenizer, load_policy
 from molt_engine.rollout import Rollout
-from molt_engine.sampler import Sampler
+from molt_engine.inference.sampler import Sampler
 from molt_engine.serving.server import AgentServer
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}

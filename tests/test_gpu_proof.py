@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ["setup", "learn", "sampler", "trainer", "two_jobs", "oom", "multiturn", "machine_panel"]
+CHECKS = ["setup", "learn", "sampler", "trainer", "two_jobs", "oom", "multiturn", "trl", "machine_panel"]
 
 
 @pytest.mark.slow
@@ -36,10 +36,12 @@ def test_the_gpu_proof_runs_every_check_at_toy_scale_on_the_cpu(tmp_path):
 
     sampler = c["sampler"]
     assert sampler["ok"] and sampler["params"] > 0 and [b["requests"] for b in sampler["batches"]] == [8, 16]
+    assert sampler["decoding"] == "static shapes"  # the CUDA graphs' step, uncaptured on the CPU
     for b in sampler["batches"]:
         assert b["new_tokens"] == sampler["max_new_tokens"]
-        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "sampler_tokens_per_s", "generate_tokens_per_s",
-                    "sampler_peak_gb", "generate_peak_gb"):
+        assert 0 <= b["same_tokens_as_eager"] <= 1
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "eager_decode_tokens_per_s", "sampler_tokens_per_s",
+                    "generate_tokens_per_s", "sampler_vs_generate", "sampler_peak_gb", "generate_peak_gb"):
             assert b[key] > 0, key
     assert 0 < sampler["mismatch_kl"] < 1e-3 and sampler["mismatch_abs"] > 0  # bf16 sampler vs fp32 trainer
 
@@ -55,6 +57,7 @@ def test_the_gpu_proof_runs_every_check_at_toy_scale_on_the_cpu(tmp_path):
 
     # The CUDA-only checks say why they did not run, and count as neither passed nor failed.
     assert c["oom"]["ok"] is None and c["oom"]["skipped"].startswith("needs CUDA")
+    assert c["trl"]["ok"] is None and c["trl"]["skipped"].startswith("needs CUDA")
     assert c["machine_panel"]["ok"] is None and c["machine_panel"]["skipped"].startswith("unavailable")
 
 

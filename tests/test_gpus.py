@@ -15,7 +15,7 @@ from molt_engine.config import ValidationError, config_errors
 from daemon.models import Run
 from daemon.supervisor import Supervisor
 from molt_engine.models import char_tokenizer, device_of, load_policy
-from molt_engine.sampler import Sampler
+from molt_engine.inference.sampler import Sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_daemon_supervisor import START, Studio, config as daemon_config  # noqa: E402
@@ -61,7 +61,7 @@ def test_bf16_shows_its_precision_gap_and_its_checkpoint_resumes_in_fp32_and_loa
     bf16 = Recorder()
     summary = train(config(model={"dtype": "bfloat16"}, loop={"steps": 4}, checkpoint={"every": 2}), bf16, tmp_path)
     assert summary["status"] == "completed"
-    assert [e["message"] for e in bf16.events if e["kind"] == "device"] == ["training on cpu in bfloat16"]
+    assert [e["message"] for e in bf16.events if e["kind"] == "device"] == ["training on cpu in bfloat16, eager decoding"]
     # The sampler decodes in bf16, the trainer recomputes under bf16 autocast from fp32 weights: the gap shows.
     assert all(fp32.steps[s]["mismatch_abs"] < 1e-5 for s in fp32.steps)
     assert all(bf16.steps[s]["mismatch_abs"] > 1e-4 for s in bf16.steps)

@@ -18,8 +18,8 @@ from molt_engine.envs import ENVS, Calculator, Shapes
 from molt_engine.episode import Episode, _length_chunks, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig
-from molt_engine.sampler import Request, Sampler
-from molt_engine.serving.sampler_process import SamplerProcess
+from molt_engine.inference.sampler import Request, Sampler
+from molt_engine.inference.sampler_process import SamplerProcess
 
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 

@@ -20,7 +20,7 @@ from molt_engine import EnvFailure, NullSink, RunConfig, train
 from molt_engine import checkpoint
 from molt_engine.alerts import Alerts
 from molt_engine.breaker import Breaker
-from molt_engine.sampler import Request, Sampler
+from molt_engine.inference.sampler import Request, Sampler
 from conftest import wait_until
 
 FAST = {"env": "max_digit", "loop": {"groups_per_step": 4, "group_size": 4, "eval_every": 0},

@@ -3,9 +3,10 @@ context, and the built-in calculator agent, written with the official OpenAI SDK
 import json
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
-import openai
+if TYPE_CHECKING:  # httpx and openai load only with the agent server and the agents that use them
+    import httpx
 
 from ..envs import ChatCalculator, Env, _parse_int, calculator, calculator_question, register
 
@@ -24,7 +25,7 @@ class AgentContext:
     base_url: str
     api_key: str
     model: str
-    http_client: httpx.AsyncClient | None = None
+    http_client: "httpx.AsyncClient | None" = None
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -80,6 +81,7 @@ class CalculatorAgent(Agent):
         a, op, b, value = calculator_question(random.Random(ctx.seed))
         messages = [{"role": "user", "content": f"What is {a}{op}{b}?"}]
         ctx.metrics["tool_error_rate"] = 0
+        import openai  # here: the engine imports without the OpenAI SDK, which only agent episodes use
         client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, http_client=ctx.http_client)
         for _ in range(self.max_turns):
             reply = (await client.chat.completions.create(model=ctx.model, messages=messages, tools=list(self.tools),

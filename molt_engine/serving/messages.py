@@ -1,16 +1,14 @@
 """Anthropic's Messages API face of the loopback server (`POST /v1/messages`): content blocks to chat messages, the
 request core's reply to a message of text and tool_use blocks and, when streamed, to Anthropic's events."""
-import functools
 import json
 import uuid
 
-from fastapi import Request
 from pydantic import Field
 
-from .server import OpenAIError, _Body, template_message
+from .core import Body, OpenAIError, template_message
 
 
-class MessagesBody(_Body):
+class MessagesBody(Body):
     max_tokens: int = Field(gt=0)
     messages: list[dict] = Field(min_length=1)
     system: str | list[dict] | None = None
@@ -21,12 +19,6 @@ class MessagesBody(_Body):
 
     def stops(self) -> list[str]:
         return self.stop_sequences or []
-
-
-def endpoint(server):
-    async def messages(name: str, body: MessagesBody, request: Request):
-        return await server.answer(name, body, request, functools.partial(reply, server), stream=events)
-    return messages
 
 
 async def reply(server, ep, body: MessagesBody) -> dict:
@@ -90,7 +82,7 @@ def _text(blocks: list) -> str:
                    and isinstance(b.get("text"), str))
 
 
-async def events(message: dict):
+async def events(message: dict, body: MessagesBody):
     """The message as Anthropic's server-sent events: message_start, each content block (start, delta, stop),
     message_delta with the stop reason and usage, message_stop."""
     def event(kind: str, **data) -> str:

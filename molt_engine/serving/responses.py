@@ -1,18 +1,16 @@
 """The Responses API face of the loopback server (`POST /v1/responses`): input items to chat messages, the request
 core's reply to output items and, when streamed, to the Responses event stream."""
-import functools
 import itertools
 import json
 import time
 import uuid
 
-from fastapi import Request
 from pydantic import Field
 
-from .server import OpenAIError, _Body, template_message
+from .core import Body, OpenAIError, template_message
 
 
-class ResponsesBody(_Body):
+class ResponsesBody(Body):
     input: str | list[dict] = Field(min_length=1)
     instructions: str | None = None
     tools: list[dict] | None = None
@@ -20,12 +18,6 @@ class ResponsesBody(_Body):
     max_output_tokens: int | None = Field(None, gt=0)
     previous_response_id: str | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-def endpoint(server):
-    async def responses(name: str, body: ResponsesBody, request: Request):
-        return await server.answer(name, body, request, functools.partial(reply, server), stream=events)
-    return responses
 
 
 async def reply(server, ep, body: ResponsesBody) -> dict:
@@ -98,7 +90,7 @@ def chat_tool(tool: dict, i: int) -> dict:
     return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if k in tool}}
 
 
-async def events(response: dict):
+async def events(response: dict, body: ResponsesBody):
     """The response as the Responses event stream: created, each output item with its text or arguments, completed."""
     sequence = itertools.count()
 

@@ -1,4 +1,5 @@
-"""The sampler: KV-cache decoding batched across all episodes (a row per distinct sequence), stamping logprob and version."""
+"""The sampler: KV-cache decoding batched across all episodes (a row per distinct sequence), stamping logprob and version;
+its decode steps eager, or on static buffers as CUDA graphs (static.py)."""
 import asyncio
 import time
 from dataclasses import dataclass, field
@@ -7,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .episode import without_placeholder
-from .models import routers
+from ..episode import without_placeholder
+from ..models import routers
+from .static import StaticDecode
 
 
 class RoomyLayer(DynamicLayer):
@@ -28,6 +30,17 @@ class RoomyLayer(DynamicLayer):
             self.is_initialized, self.device = True, keys.device
         self.keys, self.values = (x[:, :, :n + end] for x in self.room)
         return self.keys, self.values
+
+
+def decoding(model, cuda_graphs: bool | str) -> str:
+    """Which path decodes (loop.cuda_graphs): "CUDA graphs" for a dense text model on CUDA, "static shapes" (the same
+    step without capture) when `cuda_graphs` is "uncaptured" (the CPU tests), else "eager": the CPU, MoE and VLM
+    policies."""
+    if not cuda_graphs or routers(model) or model.config.get_text_config() is not model.config:
+        return "eager"
+    if cuda_graphs == "uncaptured":
+        return "static shapes"
+    return "CUDA graphs" if next(model.parameters()).device.type == "cuda" else "eager"
 
 
 @dataclass
@@ -60,7 +73,7 @@ class Sampler:
     swap_wait = 12
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
-                 kv_budget_gb: float | None = None, executor=None):
+                 kv_budget_gb: float | None = None, executor=None, cuda_graphs: bool | str = False):
         self.model, self.device, self.routers = model.eval(), next(model.parameters()).device, routers(model)
         text = model.config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -68,6 +81,9 @@ class Sampler:
         token_bytes = 2 * text.num_hidden_layers * heads * head_dim * next(model.parameters()).element_size()
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
+        self.decoding, self.static = decoding(model, cuda_graphs), None
+        if self.decoding != "eager":  # static buffers sized by the budget, or by the free memory without one
+            self.static = StaticDecode(model, self.kv_tokens, token_bytes, capture=self.decoding == "CUDA graphs")
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
@@ -137,10 +153,14 @@ class Sampler:
         joining, self.pending = ([], self.pending) if self.active and (self.stats["steps"] % 4 or self.new_weights) else self._admit()
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
-            out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
-                             position_ids=self.mask.sum(1, keepdim=True) - 1, cache=self.cache, use_cache=True)
-            self.cache = out.cache
-            self._sample(self.active, out.logits[:, -1], self._last_routes(len(self.mask)))
+            if self.static:
+                longest = max(len(r.context) + r.max_tokens for r in self.active)
+                logits = self.static.decode(self.cache, self.mask, self.last, longest)
+            else:
+                out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
+                                 position_ids=self.mask.sum(1, keepdim=True) - 1, cache=self.cache, use_cache=True)
+                self.cache, logits = out.cache, out.logits[:, -1]
+            self._sample(self.active, logits, self._last_routes(len(self.mask)))
         if joining:
             self._join(joining)
         self.stats["steps"] += 1
@@ -161,14 +181,16 @@ class Sampler:
     def _admit(self) -> tuple[list[Request], list[Request]]:
         """The pending requests that join now and those that wait, in submission order: the cache is rows x the
         longest row, so with every request counted at its longest (context + max_tokens) the joined ones never grow
-        it past the KV budget. One request always runs, so a request larger than the budget still finishes."""
+        it past the KV budget (static buffers: no more rows than they hold at that length). One request always runs, so
+        a request larger than the budget still finishes."""
         pending = [r for r in self.pending if not r.cancelled]
-        if self.kv_tokens is None:
+        if self.kv_tokens is None and self.static is None:
             return pending, []
         longest = max((len(r.context) + r.max_tokens for r in self.active), default=0)
         for i, req in enumerate(pending):
             longest = max(longest, len(req.context) + req.max_tokens)
-            if len(self.active) + i > 0 and (len(self.active) + i + 1) * longest > self.kv_tokens:
+            rows = len(self.active) + i + 1
+            if rows > 1 and (rows > self.static.rows(longest) if self.static else rows * longest > self.kv_tokens):
                 return pending[:i], pending[i:]
         return pending, []
 
@@ -199,8 +221,10 @@ class Sampler:
         sampled = torch.searchsorted(cdf, point[:, None], right=True)[:, 0]  # first token whose cdf passes the point
         tokens = torch.where(torch.tensor([req.greedy for req in reqs], device=self.device), logp.argmax(-1), sampled)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
-        for i, (req, token, lp, h) in enumerate(zip(reqs, tokens.tolist(), chosen.tolist(), entropy.tolist())):
-            req.ids.append(token)
+        # one host synchronisation for the step's results (float64 holds every token id and float32 value exactly)
+        tokens, chosen, entropy = torch.stack([tokens.double(), chosen.double(), entropy.double()]).tolist()
+        for i, (req, token, lp, h) in enumerate(zip(reqs, tokens, chosen, entropy)):
+            req.ids.append(int(token))
             req.logprobs.append(lp)
             req.versions.append(self.version)
             req.entropies.append(h)

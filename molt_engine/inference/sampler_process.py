@@ -1,6 +1,7 @@
 """The sampler in a process of its own (loop.sampler_process): its decode steps stop sharing one interpreter lock with
 the trainer and the episodes' Python, so that with max_staleness > 0 sampling and training keep two cores busy."""
 import asyncio
+import contextlib
 import copy
 import itertools
 import time
@@ -10,7 +11,7 @@ from concurrent.futures import Future
 import torch
 import torch.multiprocessing as mp
 
-from ..sampler import Request, Sampler
+from .sampler import Request, Sampler, decoding
 
 RESULTS = ("ids", "logprobs", "versions", "experts", "entropies", "top_logprobs")  # what a finished request brings back
 
@@ -22,8 +23,11 @@ class SamplerProcess:
     nothing else because decoding is the larger half: with the env's episodes beside it the child bounded the rate
     while the trainer waited (docs/benchmarks.md, eleventh pass)."""
 
+    stop_timeout = 10.0  # seconds the child has to leave once told to stop (a decode step is far shorter); then killed
+
     def __init__(self, model, **kwargs):
         self.model, self.temperature = model, kwargs["temperature"]  # the parent's copy: what checkpoints save through
+        self.decoding = decoding(model, kwargs.get("cuda_graphs", False))  # the child's path, as a Sampler's
         context = mp.get_context("spawn")  # a fork would copy the trainer's threads' locks (OpenMP's) into the child
         self.results, results = context.Pipe(duplex=False)
         requests, self.requests = context.Pipe(duplex=False)
@@ -65,7 +69,8 @@ class SamplerProcess:
         try:
             return await self.waiting[key][1]
         except asyncio.CancelledError:  # an episode's timeout, the run's end: the child drops it
-            self.send("cancel", key)
+            with contextlib.suppress(RuntimeError):  # a child already gone has nothing to drop: the cancellation stands
+                self.send("cancel", key)
             raise
         finally:
             self.waiting.pop(key, None)
@@ -87,10 +92,15 @@ class SamplerProcess:
                         for name, value in zip(RESULTS, answer):
                             setattr(req, name, value)
                         future.set_result(req)
-        finally:
+        finally:  # whatever ends the run (its cancellation, the child's error) stays what propagates
             if self.process.is_alive():  # the child answers "stop" as it leaves, which ends a read still waiting
-                self.send("stop")
-            self.process.join()
+                with contextlib.suppress(RuntimeError):
+                    self.send("stop")
+            # Joined on a thread: the event loop (the envs, the agent server) keeps running while the child leaves
+            await asyncio.to_thread(self.process.join, self.stop_timeout)
+            if self.process.is_alive():  # stuck (a decode step that never ends): it must not outlive the run
+                self.process.kill()
+                await asyncio.to_thread(self.process.join)
 
 
 def _serve(model, kwargs: dict, requests, results):
