@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app_support import hook, logged_in, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from daemon import trackers
 from daemon.records import Records
@@ -138,7 +139,7 @@ def assert_each_metric_at_each_step_once(api: Records, run_id: int, found: dict,
     recorded = {}
     for row in api.metrics(run_id):
         recorded.setdefault(tracker_name(row["name"]), []).append((row["step"], row["value"]))
-    assert {"reward/mean", "loss/policy", "eval/reward", "staleness/version"} <= set(recorded)
+    assert {"reward/mean", "loss/policy", "staleness/version"} <= set(recorded)
     for tracker, got in found.items():
         assert set(got["metrics"]) == set(recorded), tracker
         for name, points in recorded.items():
@@ -160,6 +161,7 @@ def test_a_daemon_run_is_mirrored_to_all_four_trackers(home, tmp_path):
     assert set(found) == {"wandb", "mlflow", "tensorboard", "trackio"}
     assert_each_metric_at_each_step_once(api, run, found)
     for tracker, got in found.items():
+        assert [s for s, _ in got["metrics"]["eval/reward"]] == [0, 3, 6], tracker
         assert got["steps"] == 6, tracker  # the config
         assert got["alerts"] == ["breaker"], tracker
         # train samples at steps 0, 2, 4 (report.samples_every 2) and every eval's (steps 0, 3, 6)
@@ -169,6 +171,7 @@ def test_a_daemon_run_is_mirrored_to_all_four_trackers(home, tmp_path):
     assert list(rows.columns) == list(trackers.COLUMNS) and len(rows) == 8 and set(rows["step"]) == {0}
 
 
+@pytest.mark.slow  # a few minutes on 2 busy cores: two starts of a worker and of MLflow
 def test_a_worker_killed_and_resumed_continues_the_same_tracker_runs_with_no_duplicate_steps(home, tmp_path):
     api = Records(home)
     config = {**RUN, "loop": {**RUN["loop"], "steps": 14, "eval_every": 0}, "drills": {}, "checkpoint": {"every": 4},
@@ -179,11 +182,12 @@ def test_a_worker_killed_and_resumed_continues_the_same_tracker_runs_with_no_dup
     def mirrored_step():
         return json.loads(state.read_text())["steps"].get("reward/mean", -1) if state.exists() else -1
     wait_until(lambda: mirrored_step() >= 6 and api.get_run(run)["pid"], 240, message="step 6 mirrored")
-    first_id = json.loads(state.read_text())["id"]
+    first_id, killed_at = json.loads(state.read_text())["id"], mirrored_step()
     os.kill(api.get_run(run)["pid"], signal.SIGKILL)  # past the step-4 checkpoint: steps 4.. are trained again
     final = api.wait_run(run, timeout=300)
     assert final["status"] == "completed", final["last_error"]
-    assert len(api.attempts(run)) == 2
+    attempts = api.attempts(run)
+    assert len(attempts) == 2 and attempts[1]["start_step"] <= killed_at  # steps the trackers have, trained again
     assert json.loads(state.read_text())["id"] == first_id
     found = mirrored(tmp_path, api.run_dir(run), "")  # mirrored() asserts there is one MLflow run
     assert_each_metric_at_each_step_once(api, run, found, values=False)
@@ -270,3 +274,23 @@ def test_metric_names_are_grouped_as_the_trackers_group_them():
                                       "math/eval_reward", "expert_share_l0_e1", "something_new")] == [
         "reward/mean", "loss/policy", "eval/reward", "staleness/max", "speed/samples_per_s", "math/eval_reward",
         "experts/expert_share_l0_e1", "something_new"]
+
+
+class Linked(Stuck):
+    """A tracker whose run has a page (W&B online, an MLflow server, a Trackio Space)."""
+    def __init__(self, cfg, out_dir, run_name, state):
+        state["url"] = f"https://wandb.example/team/molt/runs/{run_name}"
+
+
+def test_the_run_page_links_the_run_in_each_tracker_that_has_a_url(web, tmp_path, monkeypatch):
+    monkeypatch.setitem(trackers.TRACKERS, "wandb", Linked)
+    run = new_run(web)["id"]
+    browser, _ = logged_in(web)
+    assert 'id="ov-trackers"' not in browser.get(f"/runs/{run}").text
+    sink = sink_for(web, run)
+    mirror = trackers.Mirror(sink, RunConfig.model_validate({**RUN, "report": {"to": ["wandb", "tensorboard"]}}),
+                             tmp_path, f"run-{run}")
+    mirror.close("completed")
+    sink.close()
+    assert (f'<dd id="ov-trackers"><a href="https://wandb.example/team/molt/runs/run-{run}" rel="noopener">wandb</a>'
+            f'</dd>') in browser.get(f"/runs/{run}").text  # TensorBoard, local files, has no page
