@@ -43,8 +43,8 @@ def main(argv=None):
     t.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
                    help="node 0's address and a free port there, where the nodes meet (the same on every node)")
     t.add_argument("--report-to", metavar="URL", help="a dashboard to report this run to, as an external run")
-    t.add_argument("--report-to-tracker", metavar="NAMES", help="experiment trackers to mirror the run to, comma-"
-                   "separated: wandb, mlflow, tensorboard, trackio (sets report.to; their settings: the config's report)")
+    t.add_argument("--report-to-tracker", metavar="NAMES", help="experiment trackers to mirror the run to, "
+                   "comma-separated: wandb, mlflow, tensorboard, trackio (sets report.to; settings: the config's report)")
     t.add_argument("--token", default=os.environ.get("MOLT_TOKEN"), help="its token (default $MOLT_TOKEN)")
     envs_option(t)
     t.set_defaults(func=cmd_train)

@@ -239,7 +239,8 @@ class Mlflow:
         else:
             experiment = self.client.get_experiment_by_name(c.experiment)
             eid = experiment.experiment_id if experiment else self.client.create_experiment(c.experiment)
-            self.id = state["id"] = self.client.create_run(eid, run_name=c.run_name or run_name, tags=c.tags).info.run_id
+            run = self.client.create_run(eid, run_name=c.run_name or run_name, tags=c.tags)
+            self.id = state["id"] = run.info.run_id
             params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000])  # MLflow's longest value
                       for k, v in _flat(cfg.model_dump(mode="json")).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch

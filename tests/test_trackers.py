@@ -34,8 +34,8 @@ def home(tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     log = open(home / "daemon.log", "ab")
-    daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2", "--backoff", "0.2"],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2",
+                               "--backoff", "0.2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     yield home
     daemon.terminate()
     daemon.wait(60)
