@@ -1,0 +1,81 @@
+"""What mirroring costs training: the same short run with all four trackers on (W&B offline, MLflow on a SQLite file,
+TensorBoard, Trackio local) and with none, each through a DbSink as a daemon run has it.
+
+    python bench/trackers.py [--steps 40] [--pairs 2]
+
+Runs alternate on/off and their order within each pair. Prints each run's median samples/s (steps after the first
+few), the median over pairs of the on/off ratio, and what the trackers dropped (should be 0).
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from daemon.records import Records  # noqa: E402
+from daemon.sink import DbSink  # noqa: E402
+from daemon.trackers import Mirror  # noqa: E402
+from molt_engine import RunConfig, train  # noqa: E402
+
+SKIP = 5  # the first steps of a run warm up allocators and caches (and the trackers start: imports, MLflow's tables)
+
+
+class Rates:
+    """Forwards to the sink; keeps each step's samples/s."""
+
+    def __init__(self, inner):
+        self.inner, self.rates = inner, []
+
+    def metrics(self, step, values):
+        if "samples_per_s" in values:
+            self.rates.append(values["samples_per_s"])
+        self.inner.metrics(step, values)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run(config: dict, root: Path, name: str) -> tuple[float, int]:
+    """A run's median samples/s and the records its trackers dropped."""
+    api = Records(root / "home")
+    cfg = RunConfig.model_validate(config)
+    db = DbSink(api.engine, api.create_run(config, name=name)["id"], 0, spool_dir=root / name)
+    mirror = Mirror(db, cfg, root / name, name) if cfg.report.to else None
+    measured = Rates(mirror or db)
+    summary = train(cfg, measured, out_dir=root / name)
+    if mirror:
+        mirror.close(summary["status"])
+    db.close()
+    return statistics.median(measured.rates[SKIP:]), mirror.dropped if mirror else 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--pairs", type=int, default=2)
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="molt-bench-trackers-"))
+    os.environ.setdefault("TRACKIO_DIR", str(root / "trackio"))
+    os.environ.setdefault("WANDB_SILENT", "true")
+    base = {"env": "guess_number", "loop": {"steps": args.steps, "groups_per_step": 8, "group_size": 8,
+                                            "max_staleness": 1, "eval_every": 10, "eval_episodes": 16},
+            "warm_start": {"steps": 10}, "checkpoint": {"every": 20}}
+    on = {**base, "report": {"to": ["wandb", "mlflow", "tensorboard", "trackio"], "samples_every": 5,
+                             "wandb": {"mode": "offline"}, "mlflow": {"tracking_uri": f"sqlite:///{root}/mlflow.db"}}}
+    ratios = []
+    for pair in range(args.pairs):
+        order = [("on", on), ("off", base)] if pair % 2 == 0 else [("off", base), ("on", on)]
+        rates = {}
+        for kind, config in order:
+            rates[kind], dropped = run(config, root, f"{kind}-{pair}")
+            print(f"pair {pair} {kind:3}: median {rates[kind]:.2f} samples/s, {dropped} records dropped", flush=True)
+        ratios.append(rates["on"] / rates["off"])
+    print(f"samples/s on/off: median ratio {statistics.median(ratios):.3f} over {args.pairs} pairs "
+          f"({', '.join(f'{r:.3f}' for r in ratios)}); data in {root}")
+
+
+if __name__ == "__main__":
+    main()
