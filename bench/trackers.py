@@ -4,13 +4,16 @@ TensorBoard, Trackio local) and with none, each through a DbSink as a daemon run
     python bench/trackers.py [--steps 40] [--pairs 2]
 
 Runs alternate on/off and their order within each pair. Prints each run's median samples/s (steps after the first
-few), the median over pairs of the on/off ratio, and what the trackers dropped (should be 0).
+few), its CPU seconds (this process: the trackers' threads included, W&B's own service process not), the median
+over pairs of the on/off ratio, and what the trackers dropped (should be 0). On a busy machine the CPU seconds are
+the steadier measure: samples/s moves with other loads more than by what the trackers take.
 """
 import argparse
 import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -38,18 +41,18 @@ class Rates:
         return getattr(self.inner, name)
 
 
-def run(config: dict, root: Path, name: str) -> tuple[float, int]:
-    """A run's median samples/s and the records its trackers dropped."""
+def run(config: dict, root: Path, name: str) -> tuple[float, float, int]:
+    """A run's median samples/s, its CPU seconds, and the records its trackers dropped."""
     api = Records(root / "home")
     cfg = RunConfig.model_validate(config)
     db = DbSink(api.engine, api.create_run(config, name=name)["id"], 0, spool_dir=root / name)
     mirror = Mirror(db, cfg, root / name, name) if cfg.report.to else None
-    measured = Rates(mirror or db)
+    measured, cpu = Rates(mirror or db), time.process_time()
     summary = train(cfg, measured, out_dir=root / name)
     if mirror:
         mirror.close(summary["status"])
     db.close()
-    return statistics.median(measured.rates[SKIP:]), mirror.dropped if mirror else 0
+    return statistics.median(measured.rates[SKIP:]), time.process_time() - cpu, mirror.dropped if mirror else 0
 
 
 def main():
@@ -70,8 +73,9 @@ def main():
         order = [("on", on), ("off", base)] if pair % 2 == 0 else [("off", base), ("on", on)]
         rates = {}
         for kind, config in order:
-            rates[kind], dropped = run(config, root, f"{kind}-{pair}")
-            print(f"pair {pair} {kind:3}: median {rates[kind]:.2f} samples/s, {dropped} records dropped", flush=True)
+            rates[kind], cpu, dropped = run(config, root, f"{kind}-{pair}")
+            print(f"pair {pair} {kind:3}: median {rates[kind]:.2f} samples/s, {cpu:.1f} CPU s, {dropped} records "
+                  "dropped", flush=True)
         ratios.append(rates["on"] / rates["off"])
     print(f"samples/s on/off: median ratio {statistics.median(ratios):.3f} over {args.pairs} pairs "
           f"({', '.join(f'{r:.3f}' for r in ratios)}); data in {root}")

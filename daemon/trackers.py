@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 DRAIN_S = 60.0  # at the end, how long the trackers get to send what is queued (what is left is counted as dropped)
+MAX_ERROR_EVENTS = 10  # distinct reasons a tracker loses records told as events; the count at the end has them all
 # The trackers' section of each dashboard metric; in it the metric loses that word: reward_mean is reward/mean
 GROUPS = {"reward": ("reward_mean", "reward_std", "pass_rate"),
           "loss": ("policy_loss", "kl_ref", "entropy", "clip_ratio", "ratio_mean", "grad_norm", "breaker_threshold",
@@ -49,7 +50,7 @@ class Mirror:
         self.report = cfg.report
         self.feeds = [Feed(tracker, cfg, self.out_dir, name, self) for tracker in cfg.report.to]
         self.dropped = 0  # records lost by all trackers together
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # the feeds count losses from their threads and from the loop's
 
     def metrics(self, step, values):
         if self.dropped:
@@ -85,9 +86,12 @@ class Mirror:
         """Send the best and final checkpoints' paths (with report.log_model their weights), end each tracker's
         run, and wait up to DRAIN_S for them; what is still queued then is counted as dropped."""
         paths = {kind: str(self.out_dir / kind) for kind in ("best", "final") if (self.out_dir / kind).exists()}
-        for feed in self.feeds:
-            feed.queue.put(("finish", outcome, paths, self.report.log_model))  # blocking: the loop is over
         deadline = time.monotonic() + DRAIN_S
+        for feed in self.feeds:
+            try:  # waiting for room: the loop is over, but a hung tracker must not hold the end of the run
+                feed.queue.put(("finish", outcome, paths, self.report.log_model), timeout=DRAIN_S)
+            except queue.Full:
+                pass
         for feed in self.feeds:
             feed.thread.join(max(0.0, deadline - time.monotonic()))
             if feed.thread.is_alive():
@@ -103,10 +107,6 @@ class Mirror:
             except queue.Full:
                 feed.lose(1, f"more than report.queue ({self.report.queue}) records waiting")
 
-    def count(self, n: int):
-        with self._lock:
-            self.dropped += n
-
 
 class Feed:
     """One tracker's queue and thread: it starts the tracker (imports, login, resume), then sends the records in
@@ -116,16 +116,18 @@ class Feed:
         self.name, self.mirror = name, mirror
         self.state_path = out_dir / "trackers" / f"{name}.json"
         self.queue = queue.Queue(cfg.report.queue)
-        self.lost, self._last_error = 0, None
+        self.lost, self.errors = 0, set()  # records lost; the reasons already told as events
         self.thread = threading.Thread(target=self._run, args=(cfg, out_dir, run_name), name=f"mirror-{name}",
                                        daemon=True)
         self.thread.start()
 
     def lose(self, n: int, why: str):
-        self.lost += n
-        self.mirror.count(n)
-        if why != self._last_error:
-            self._last_error = why
+        with self.mirror.lock:
+            self.lost += n
+            self.mirror.dropped += n
+            new = why not in self.errors and len(self.errors) < MAX_ERROR_EVENTS
+            self.errors.add(why)
+        if new:
             self.mirror.sink.event("tracker", f"{self.name}: {why}; records it loses are counted in report/dropped",
                                    tracker=self.name, error=why)
 
@@ -138,15 +140,15 @@ class Feed:
             if url := state.get("url"):
                 self.mirror.sink.event("tracker", f"mirrored to {self.name}: {url}", tracker=self.name, url=url)
         except Exception as e:
-            tracker = None
-            self.lose(0, f"could not start: {type(e).__name__}: {e}")
+            tracker, failed = None, f"could not start: {type(e).__name__}: {e}"
+            self.lose(0, failed)
         while True:
             record = self.queue.get()
             kind, args = record[0], record[1:]
             if tracker is None:
                 if kind == "finish":
                     return
-                self.lose(1, self._last_error)
+                self.lose(1, failed)
                 continue
             try:
                 if kind == "metrics":
