@@ -5,7 +5,8 @@ TensorBoard, Trackio local) and with none, each through a DbSink as a daemon run
 
 Runs alternate on/off and their order within each pair. Prints each run's median samples/s (steps after the first
 few), its CPU seconds (this process: the trackers' threads included, W&B's own service process not), the median
-over pairs of the on/off ratio, and what the trackers dropped (should be 0). On a busy machine the CPU seconds are
+over pairs of the on/off ratio, what the trackers dropped (should be 0), and the CPU each tracker's thread spent
+starting and sending records (per step). On a busy machine the CPU seconds are
 the steadier measure: samples/s moves with other loads more than by what the trackers take.
 """
 import argparse
@@ -20,10 +21,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from daemon.records import Records  # noqa: E402
 from daemon.sink import DbSink  # noqa: E402
-from daemon.trackers import Mirror  # noqa: E402
+from daemon.trackers import TRACKERS, Mirror  # noqa: E402
 from molt_engine import RunConfig, train  # noqa: E402
 
 SKIP = 5  # the first steps of a run warm up allocators and caches (and the trackers start: imports, MLflow's tables)
+
+
+CPU = {}  # (tracker, "start" or "records") -> CPU seconds of its thread, all runs together
+
+
+def timed(name: str, cls):
+    """The tracker, with the CPU time its thread spends starting it and sending records counted in CPU."""
+    def count(key, method):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                CPU[name, key] = CPU.get((name, key), 0.0) + time.thread_time() - t0
+        return call
+    return type(cls.__name__, (cls,), {"__init__": count("start", cls.__init__),
+                                       **{m: count("records", getattr(cls, m)) for m in ("metrics", "text", "samples")}})
 
 
 class Rates:
@@ -68,6 +86,8 @@ def main():
             "warm_start": {"steps": 10}, "checkpoint": {"every": 20}}
     on = {**base, "report": {"to": ["wandb", "mlflow", "tensorboard", "trackio"], "samples_every": 5,
                              "wandb": {"mode": "offline"}, "mlflow": {"tracking_uri": f"sqlite:///{root}/mlflow.db"}}}
+    for name, cls in TRACKERS.items():
+        TRACKERS[name] = timed(name, cls)
     ratios = []
     for pair in range(args.pairs):
         order = [("on", on), ("off", base)] if pair % 2 == 0 else [("off", base), ("on", on)]
@@ -79,6 +99,10 @@ def main():
         ratios.append(rates["on"] / rates["off"])
     print(f"samples/s on/off: median ratio {statistics.median(ratios):.3f} over {args.pairs} pairs "
           f"({', '.join(f'{r:.3f}' for r in ratios)}); data in {root}")
+    steps = args.pairs * args.steps
+    for name in TRACKERS:  # the first start imports the tracker's package; MLflow's first creates its tables
+        print(f"{name}: start {CPU.get((name, 'start'), 0) / args.pairs:.2f} CPU s per run (mean), records "
+              f"{1000 * CPU.get((name, 'records'), 0) / steps:.1f} CPU ms per step")
 
 
 if __name__ == "__main__":
