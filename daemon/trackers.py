@@ -202,6 +202,9 @@ class Wandb:
                               config=cfg.model_dump(mode="json"),
                               settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
         state["url"] = self.run.url  # None offline
+        if self.run.resumed and c.mode == "online":  # W&B has the steps before run.step: a killed run's last
+            for key, step in state["steps"].items():  # steps may be missing (wandb holds them a moment), sent again
+                state["steps"][key] = min(step, self.run.step - 1)
         self.events = []
 
     def metrics(self, step, values):
@@ -310,6 +313,14 @@ class Trackio:
     def __init__(self, cfg, out_dir, run_name, state):
         import trackio
         self.trackio, c = trackio, cfg.report.trackio
+        if "name" in state and not c.space_id:  # resumed: Trackio writes its local store every 0.5 s, so a killed
+            from trackio.sqlite_storage import SQLiteStorage  # run's last steps may be missing: send them again
+            held = {}
+            for row in SQLiteStorage.get_logs(c.project, state["name"]):
+                for key in row.keys() - {"step", "timestamp"}:
+                    held[key] = max(held.get(key, -1), row["step"])
+            state["steps"].clear()
+            state["steps"].update(held)
         state.setdefault("name", c.name or run_name)
         self.run = trackio.init(project=c.project, name=state["name"], group=c.group, space_id=c.space_id,
                                 config=cfg.model_dump(mode="json"), resume="allow", embed=False,
