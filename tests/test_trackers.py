@@ -302,3 +302,17 @@ def test_the_run_page_links_the_run_in_each_tracker_that_has_a_url(web, tmp_path
     sink.close()
     assert (f'<dd id="ov-trackers"><a href="https://wandb.example/team/molt/runs/run-{run}" rel="noopener">wandb</a>'
             f'</dd>') in browser.get(f"/runs/{run}").text  # TensorBoard, local files, has no page
+
+
+@pytest.mark.slow  # two ranks start torch and gloo: about a minute on 2 busy cores
+def test_a_two_rank_molt_train_is_mirrored_from_rank_0_only(tmp_path):
+    config = {**RUN, "loop": {**RUN["loop"], "steps": 3, "eval_every": 0}, "drills": {}, "checkpoint": {"every": 0}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "train", "--config", str(tmp_path / "config.json"),
+                           "--nproc", "2", "--out", str(tmp_path / "out"), "--report-to-tracker", "tensorboard"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))) == 1  # one writer
+    found = mirrored(tmp_path, tmp_path / "out", "")
+    assert [s for s, _ in found["tensorboard"]["metrics"]["reward/mean"]] == [0, 1, 2]
