@@ -243,7 +243,12 @@ class Mlflow:
             self.client.update_run(self.id, status="RUNNING")
         else:
             experiment = self.client.get_experiment_by_name(c.experiment)
-            eid = experiment.experiment_id if experiment else self.client.create_experiment(c.experiment)
+            # A local store's artifacts go beside its database (MLflow's default: ./mlruns of whatever directory the
+            # worker runs in); a server decides for itself
+            uri, artifacts = self.client.tracking_uri, None
+            if uri.startswith("sqlite:///"):
+                artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").resolve().as_uri()
+            eid = experiment.experiment_id if experiment else self.client.create_experiment(c.experiment, artifacts)
             run = self.client.create_run(eid, run_name=c.run_name or run_name, tags=c.tags)
             self.id = state["id"] = run.info.run_id
             params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000])  # MLflow's longest value

@@ -167,6 +167,7 @@ def test_a_daemon_run_is_mirrored_to_all_four_trackers(home, tmp_path):
         # train samples at steps 0, 2, 4 (report.samples_every 2) and every eval's (steps 0, 3, 6)
         assert sorted(got["tables"]) == [("samples/eval", s) for s in (0, 3, 6)] + [
             ("samples/train", s) for s in (0, 2, 4)], tracker
+    assert (tmp_path / "mlartifacts").is_dir()  # beside the MLflow database, not in the worker's directory
     rows = found["mlflow"]["rows"]
     assert list(rows.columns) == list(trackers.COLUMNS) and len(rows) == 8 and set(rows["step"]) == {0}
 
