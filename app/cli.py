@@ -43,6 +43,8 @@ def main(argv=None):
     t.add_argument("--rdzv-endpoint", type=endpoint, metavar="HOST:PORT",
                    help="node 0's address and a free port there, where the nodes meet (the same on every node)")
     t.add_argument("--report-to", metavar="URL", help="a dashboard to report this run to, as an external run")
+    t.add_argument("--report-to-tracker", metavar="NAMES", help="experiment trackers to mirror the run to, "
+                   "comma-separated: wandb, mlflow, tensorboard, trackio (sets report.to; settings: the config's report)")
     t.add_argument("--token", default=os.environ.get("MOLT_TOKEN"),
                    help="its report token (`molt token --report` there) or its token; default $MOLT_TOKEN, better "
                         "than this flag, which any user of the machine sees in `ps`")
@@ -279,6 +281,8 @@ def cmd_train(args) -> int:
     for key, value in [("nproc", args.nproc), ("nnodes", nodes)]:
         if value is not None:
             config.setdefault("dist", {})[key] = value
+    if args.report_to_tracker is not None:
+        config.setdefault("report", {})["to"] = [n.strip() for n in args.report_to_tracker.split(",") if n.strip()]
     try:
         cfg = RunConfig.model_validate(config)
     except ValidationError as e:
@@ -321,10 +325,16 @@ def cmd_train(args) -> int:
         from daemon.report import HttpSink
         sink = HttpSink(args.report_to, args.token, cfg.model_dump(mode="json"), out, echo=sink,
                         ranks=int(os.environ.get("WORLD_SIZE", "1")), resume=args.resume)
+    mirror = None
+    if sink and cfg.report.to:  # rank 0 only
+        from daemon.trackers import Mirror
+        mirror = Mirror(sink, cfg, out, out.name)
     summary = {"status": "failed"}
     try:
-        summary = train(cfg, sink, out_dir=out, resume=args.resume)
+        summary = train(cfg, mirror or sink, out_dir=out, resume=args.resume)
     finally:
+        if mirror:  # first: its last events go through the sink
+            mirror.close(summary["status"])
         if sink and args.report_to:  # the outcome is reported last, as a daemon's worker records its own
             sink.echo.bar.close()
             sink.end(summary["status"], summary, error=str(sys.exc_info()[1] or "") or None)

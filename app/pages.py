@@ -206,10 +206,13 @@ def run_page(request: Request, run_id: int):
     device = newest("device")  # the policy's parameter counts, from the engine
     trainable, total = device.get("trainable"), device.get("parameters")
     ray = newest("ray").get("dashboard")  # the placed attempt's Ray dashboard
+    trackers = {e["data"]["tracker"]: e["data"]["url"]  # the run in each tracker that mirrors it with a URL
+                for e in request.app.state.records.events(run_id, kind="tracker") if e["data"].get("url")}
     overview = {"model": config["model"].get("preset") or config["model"].get("path"),
                 "lora": config["model"].get("lora"), "host": socket.gethostname(),
                 "trainable": f"{trainable:,} of {total:,} ({100 * trainable / total:.1f} %)" if total else None,
                 "ranks": config.get("dist", {}).get("nproc", 1) * config.get("dist", {}).get("nnodes", 1), "ray": ray,
+                "trackers": trackers,
                 "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
                   page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],

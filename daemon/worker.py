@@ -16,6 +16,7 @@ from .db import connect, data_home, finish_run, hold_lock, run_dir
 from .models import ACTIVE, Attempt, Metric, Run, now
 from .report import HttpSink
 from .sink import DbSink
+from .trackers import Mirror
 
 DUPLICATE = 75          # exit code: another worker of this run is alive (EX_TEMPFAIL); this one never started
 TRACEBACK_LINES = 40
@@ -66,10 +67,11 @@ def main(argv=None) -> int:
     given = json.loads(args.attempt_file.read_text()) if args.attempt_file else {}
     engine = None if given.get("report_to") else connect(home, migrate=False)
     if given:
-        config, number = given["config"], given["number"]
+        config, number, name = given["config"], given["number"], f"run {args.run_id}"
     else:
         with Session(engine) as s:
-            config, number = s.get(Run, args.run_id).config, s.get(Attempt, args.attempt).number
+            run = s.get(Run, args.run_id)
+            config, number, name = run.config, s.get(Attempt, args.attempt).number, f"{run.name} #{args.run_id}"
             if worker:
                 s.execute(update(Attempt).where(Attempt.id == args.attempt).values(pid=os.getpid()))
                 s.execute(update(Run).where(Run.id == args.run_id).values(pid=os.getpid()))
@@ -103,10 +105,12 @@ def main(argv=None) -> int:
         sink = DbSink(engine, args.run_id, args.attempt, spool_dir=directory,
                       keep_samples=config.get("record", {}).get("keep_steps"),
                       full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
-    summary, values, code = None, {}, 0
+    summary, values, code, mirror = None, {}, 0, None
     try:
         from molt_engine import RunConfig, train
-        summary = train(RunConfig.model_validate(config), sink, out_dir=directory, resume=True)
+        cfg = RunConfig.model_validate(config)
+        mirror = Mirror(sink, cfg, directory, name) if sink and cfg.report.to else None  # rank 0 only
+        summary = train(cfg, mirror or sink, out_dir=directory, resume=True)
         values["outcome"] = summary.get("status", "completed")
     except BaseException as e:  # anything at all: recorded, so the attempt's cause is never a mystery
         traceback.print_exc()
@@ -128,6 +132,8 @@ def main(argv=None) -> int:
         # the one torchrun passes on after rank 0 already stopped at the dashboard's word, must not kill the process
         # before its end is recorded: that end would be lost and the attempt's cause a bare "exit code 0".
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if mirror:  # before the sink closes: the trackers' last events go through it
+            mirror.close(values.get("outcome", "error"))
         if isinstance(sink, HttpSink) and values.get("outcome") not in (None, "error"):
             sink.end(values["outcome"], summary)  # the dashboard records the end as _record does (an error's
         elif sink:                                # cause reaches the worker through torchrun and Ray instead)

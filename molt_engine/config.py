@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .report_config import ReportConfig
+
 __all__ = ["RunConfig", "ValidationError", "config_errors"]
 
 # Here rather than next to what they name, so that validating a config needs neither torch nor transformers.
@@ -250,6 +252,7 @@ class RunConfig(_Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
 
     @field_validator("env")
     @classmethod
