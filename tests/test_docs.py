@@ -17,7 +17,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]  # docs/hist
 OPERATORS = {"&&", "||", "|", ";", "(", ")", "$(", ">", ">>", "<", "&"}
 # Placeholders the prose uses in inline commands, and a value of the right kind for each
 PLACEHOLDERS = {"ID": "1", "N": "2", "I": "0", "DIR": "somewhere", "OUT": "out", "URL": "http://localhost:8000",
-                "T": "token", "FILE": "data.jsonl", "HOST:PORT": "node0:29500"}
+                "T": "token", "FILE": "data.jsonl", "HOST:PORT": "node0:29500"}  # nothing runs: only parsed
 
 
 def fenced(text: str, language: str) -> list[str]:
@@ -99,16 +99,29 @@ def parse(words: list[str], monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("page, words, inline", COMMANDS, ids=[f"{p}: {' '.join(w)[:80]}" for p, w, _ in COMMANDS])
-def test_every_documented_command_parses(page, words, inline, monkeypatch, capsys):
+def test_every_documented_command_parses(page, words, inline, monkeypatch, capsys, tmp_path):
     """A command of a code block must parse whole. One named in the prose (`molt train --report-to`) may leave out
     values and required flags, so there it is enough that its program has every flag it names."""
-    parse_args = argparse.ArgumentParser.parse_args
+    monkeypatch.chdir(tmp_path)  # where relative paths land, should a program act before it parses
+    monkeypatch.setenv("MOLT_HOME", str(tmp_path / "home"))
+    parse_args, parse_known_args = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    parsing = []  # the program's own parse in progress: argparse's inner calls (subcommands) go through untouched
 
-    def parse_then_stop(self, args=None, namespace=None):
-        parse_args(self, args, namespace)
+    def parse_then_stop(self, args=None, namespace=None, parse=parse_args):
+        if parsing:
+            return parse(self, args, namespace)
+        parsing.append(self)
+        try:
+            parse(self, args, namespace)
+        finally:
+            parsing.pop()
         raise Parsed
 
+    def parse_known_then_stop(self, args=None, namespace=None):  # `molt daemon start` passes the rest on
+        return parse_then_stop(self, args, namespace, parse=parse_known_args)
+
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_then_stop)
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     try:
         with pytest.raises(Parsed):
