@@ -206,3 +206,25 @@ def test_the_readme_marks_its_quick_start_for_ci():
     blocks = re.findall(r"<!-- ci: run -->\n```bash\n(.*?)^```", readme, flags=re.S | re.M)
     assert any("molt runs create" in b for b in blocks) and any("curl" in b for b in blocks)
     assert "<!-- ci: run -->" in (ROOT / ".ci" / "run").read_text()
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_in_the_docs_reaches_its_file_and_heading():
+    broken = []
+    for page in [*PAGES, *sorted((ROOT / "docs" / "history").glob("*.md")), ROOT / "CHANGELOG.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"https?://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", file.read_text(), flags=re.S | re.M), re.M)
+                if anchor not in {slug(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, f"links to nowhere: {broken}"
