@@ -259,7 +259,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _run_defaults(self):
-        """Defaults that depend on the run (README, "Two sets of defaults"), set only where the config leaves the field unset."""
+        """Defaults that depend on the run (docs/models.md), set only where the config leaves the field unset."""
         defaults = []
         if self.model.path:  # a trained checkpoint: the presets' rates (a 1M-parameter policy from scratch) wreck it
             defaults += [(self.algo, "lr", 1e-6), (self.warm_start, "steps", 0), (self.warm_start, "lr", 1e-5)]
