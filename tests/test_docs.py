@@ -197,7 +197,7 @@ def test_the_config_reference_is_generated_from_the_schema():
 def test_every_docs_page_is_reached_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     unlinked = [p.name for p in PAGES[1:] if f"](docs/{p.name})" not in readme]
-    assert not unlinked, f"pages the README does not link to: {unlinked}"
+    assert not unlinked, f"pages the README does not link to (add a row to its Documentation table): {unlinked}"
     assert len(readme.splitlines()) <= 200, "the README is a short start: move detail into docs/"
 
 
