@@ -228,3 +228,17 @@ def test_every_link_in_the_docs_reaches_its_file_and_heading():
                 if anchor not in {slug(h) for h in headings}:
                     broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, f"links to nowhere: {broken}"
+
+
+def test_the_backup_command_copies_a_live_database(tmp_path):
+    """docs/operations.md's backup, run as written in a data directory whose database the daemon has open."""
+    import subprocess
+
+    from daemon.records import Records
+    block = next(b for b in fenced((ROOT / "docs" / "operations.md").read_text(), "bash") if "backup" in b)
+    records = Records(tmp_path)
+    run = records.create_run({"env": "max_digit"}, name="kept")
+    subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, check=True)
+    (tmp_path / "restored").mkdir()
+    (tmp_path / "molt-backup.db").rename(tmp_path / "restored" / "molt.db")  # restored: the copy as the database
+    assert Records(tmp_path / "restored").get_run(run["id"])["name"] == "kept"
