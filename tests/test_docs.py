@@ -73,8 +73,10 @@ def documented_commands() -> list[tuple[str, list[str], bool]]:
 def checked(words: list[str]) -> bool:
     if words[0] == "molt":
         return True
-    return words[0] in ("python", "python3") and len(words) > 1 and (
-        words[1] == "-m" and words[2].split(".")[0] in ("molt_engine", "daemon", "app") or words[1].startswith("bench/"))
+    if words[0] not in ("python", "python3") or len(words) < 2:
+        return False
+    ours = words[1] == "-m" and words[2].split(".")[0] in ("molt_engine", "daemon", "app")  # not `-m pytest`
+    return ours or words[1].startswith("bench/")
 
 
 COMMANDS = [c for c in documented_commands() if checked(c[1])]
@@ -170,7 +172,8 @@ def rest_paths() -> list[tuple[str, str, str]]:
 def test_every_documented_rest_path_exists(tmp_path):
     from app.main import create_app
     schema = create_app(tmp_path, "a-token").openapi()["paths"]
-    routes = [(re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", path) + "$"), methods) for path, methods in schema.items()]
+    routes = [(re.compile("^" + re.sub(r"\{[^}]+\}", "[^/]+", path) + "$"), methods)  # {run_id} matches 3 or $id
+              for path, methods in schema.items()]
     found = rest_paths()
     assert len(found) > 10, "the extraction of REST paths broke"
     missing = [f"{page}: {method} {path}" for page, method, path in found
@@ -224,7 +227,8 @@ def test_every_link_in_the_docs_reaches_its_file_and_heading():
             if not file.exists():
                 broken.append(f"{page.name}: {target}")
             elif anchor and file.suffix == ".md":
-                headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", file.read_text(), flags=re.S | re.M), re.M)
+                prose = re.sub(r"^```.*?^```", "", file.read_text(), flags=re.S | re.M)  # a `# comment` is no heading
+                headings = re.findall(r"^#+ (.+)$", prose, re.M)
                 if anchor not in {slug(h) for h in headings}:
                     broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, f"links to nowhere: {broken}"
