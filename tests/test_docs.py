@@ -96,6 +96,7 @@ def parse(words: list[str], monkeypatch) -> None:
         monkeypatch.setattr(sys, "argv", [words[2], *words[3:]])
         runpy.run_module(words[2], run_name="__main__", alter_sys=True)
     else:
+        monkeypatch.setattr("molt_engine.envs.ENVS", {})  # a script run before registered its envs (bench/agents.py)
         monkeypatch.setattr(sys, "argv", words[1:])
         runpy.run_path(str(ROOT / words[1]), run_name="__main__")
 
