@@ -1,6 +1,7 @@
 """The docs stay true: the config reference is what the schema generates, every `molt`, `python -m` and bench command
 in README.md and docs/ parses with the flags it shows, every REST path they name exists, every JSON config in them
-validates, every link reaches its page and heading, the backup command works, and every page is reached from the
+validates, every link reaches its page and heading, the backup command works, troubleshooting quotes real errors,
+and every page is reached from the
 README. The README's quick-start blocks (`<!-- ci: run -->`) run for real in .ci/run, against the served wheel."""
 import argparse
 import json
@@ -247,3 +248,25 @@ def test_the_backup_command_copies_a_live_database(tmp_path):
     (tmp_path / "restored").mkdir()
     (tmp_path / "molt-backup.db").rename(tmp_path / "restored" / "molt.db")  # restored: the copy as the database
     assert Records(tmp_path / "restored").get_run(run["id"])["name"] == "kept"
+
+
+# The troubleshooting page's refused configs: each message as the page quotes it, and a config that gets it
+REFUSALS = {
+    "loop.stpes: Extra inputs are not permitted": {"env": "max_digit", "loop": {"stpes": 3}},
+    "loop.steps: Input should be a valid integer": {"env": "max_digit", "loop": {"steps": "3"}},
+    "unknown env 'x'; known: ": {"env": "x"},
+    "env_args: env 'calculator' got unknown args: ": {"env": "calculator", "env_args": {"foo": 1}},
+    "env 'chat_calculator' speaks chat messages, but the policy's tokenizer has no chat template":
+        {"env": "chat_calculator"},
+    "loop.group_size must be >= 2 with the group estimator 'grpo'": {"env": "max_digit", "loop": {"group_size": 1}},
+    "unknown preset 'x'": {"env": "max_digit", "model": {"preset": "x"}},
+}
+
+
+@pytest.mark.parametrize("message", REFUSALS)
+def test_the_troubleshooting_page_quotes_the_errors_as_they_are(message):
+    from molt_engine.config import RunConfig, ValidationError, config_errors
+    assert message in (ROOT / "docs" / "troubleshooting.md").read_text()
+    with pytest.raises(ValidationError) as refused:
+        RunConfig.model_validate(REFUSALS[message])
+    assert any(message in line for line in config_errors(refused.value)), config_errors(refused.value)
