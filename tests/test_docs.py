@@ -1,8 +1,8 @@
 """The docs stay true: the config reference is what the schema generates, every `molt`, `python -m` and bench command
 in README.md and docs/ parses with the flags it shows, every REST path they name exists, every JSON config in them
 validates, every link reaches its page and heading, the backup command works, troubleshooting quotes real errors,
-and every page is reached from the
-README. The README's quick-start blocks (`<!-- ci: run -->`) run for real in .ci/run, against the served wheel."""
+and every page is reached from the README. The README's quick-start blocks (`<!-- ci: run -->`) run for real in
+.ci/run, against the served wheel."""
 import argparse
 import json
 import re
