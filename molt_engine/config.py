@@ -74,9 +74,9 @@ class LoopConfig(_Strict):
     group_size: int = Field(8, gt=0, description="episodes sampled per prompt")
     max_staleness: int = Field(0, ge=0, description="max policy versions between sampling and training; 0 = on-policy")
     workers: int | None = Field(None, gt=0, description="concurrent rollout groups; default groups_per_step x (max_staleness+1)")
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of training episodes (evals are greedy)")
     eval_every: int = Field(20, ge=0, description="steps between evals on held-out seeds; 0 = off")
-    eval_episodes: int = Field(32, gt=0)
+    eval_episodes: int = Field(32, gt=0, description="greedy episodes on held-out seeds per eval")
     threads: int | None = Field(None, gt=0, description="update's torch threads (default: cores, one less off-policy)")
     sampler_process: bool = Field(False, description="decode in a child process (max_staleness > 0)")
     cuda_graphs: bool = Field(True, description="on CUDA, decode steps as CUDA graphs on static buffers (dense text "
@@ -87,19 +87,19 @@ class LoopConfig(_Strict):
 
 
 class AlgoConfig(_Strict):
-    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = "grpo"
-    loss: Literal["ppo", "gspo"] = "ppo"
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline"] = Field("grpo", description="advantages")
+    loss: Literal["ppo", "gspo"] = Field("ppo", description="ppo: a ratio per token; gspo: per sequence")
     clip_low: float = Field(0.2, ge=0, description="gspo: 3e-4")
     clip_high: float = Field(0.28, ge=0, description="gspo: 4e-4")
-    is_level: Literal["off", "token", "seq", "geo"] = "token"
-    is_mode: Literal["mask", "clip", "trunc"] = "trunc"
-    is_low: float = Field(0.0, ge=0)
-    is_high: float = Field(2.0, gt=0)
+    is_level: Literal["off", "token", "seq", "geo"] = Field("token", description="IS weights per token, sequence or geo mean")
+    is_mode: Literal["mask", "clip", "trunc"] = Field("trunc", description="trunc: cap at is_high; clip: clamp; mask: zero")
+    is_low: float = Field(0.0, ge=0, description="lower end of the IS ratio's band (clip, mask)")
+    is_high: float = Field(2.0, gt=0, description="upper end of the IS ratio's band")
     kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the frozen initial policy; 0 = no reference")
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Schulman's estimator of the KL term")
     lr: float = Field(3e-4, gt=0, description="AdamW learning rate of the RL updates; model.path: 1e-6")  # 5e-4: max_digit seed 1 stuck near 0.8
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients clipped to this norm")
     minibatches: int = Field(1, gt=0, description="optimizer steps per trainer step, each on a slice of the batch's "
                              "groups; with more than one step per trainer step the PPO/GSPO clip acts")
     epochs: int = Field(1, gt=0, description="passes over the batch per trainer step (each pass is minibatches steps)")
@@ -121,7 +121,7 @@ class AlgoConfig(_Strict):
 
 class WarmStartConfig(_Strict):
     steps: int = Field(70, ge=0, description="supervised steps on env demonstrations before RL; 0 = none; model.path: 0")
-    batch_size: int = Field(32, gt=0)
+    batch_size: int = Field(32, gt=0, description="demonstrations per supervised step")
     lr: float = Field(3e-3, gt=0, description="model.path: 1e-5")
 
 
@@ -139,7 +139,7 @@ class BreakerConfig(_Strict):
     abs_max: float | None = Field(None, gt=0, description="trip above this grad norm regardless of history")
     cooldown: int = Field(3, ge=0, description="healthy steps of strict on-policy admission after a trip")
     max_trips: int = Field(3, gt=0, description="trips within trip_window that trigger a rollback")
-    trip_window: int = Field(50, gt=0)
+    trip_window: int = Field(50, gt=0, description="steps over which max_trips counts")
     max_rollbacks: int = Field(1, ge=0, description="rollbacks before a run that keeps tripping ends as tripped")
 
 
@@ -170,12 +170,12 @@ class RecordConfig(_Strict):
 class DrillsConfig(_Strict):
     """Injected faults, so that users and tests can prove the alarms and the supervisor work."""
     spike_at: list[int] = Field(default_factory=list, description="steps whose gradient gets a spike of spike_norm")
-    spike_norm: float = Field(1e3, gt=0)
+    spike_norm: float = Field(1e3, gt=0, description="the injected spike's gradient norm")
     nan_at: list[int] = Field(default_factory=list, description="steps whose loss is NaN")
     crash_at: list[int] = Field(default_factory=list, description="steps at which the process dies (os._exit)")
     crash_repeat: bool = Field(False, description="crash at those steps on every attempt, not just the first")
     hang_at: list[int] = Field(default_factory=list, description="steps at which the event loop blocks (no heartbeat)")
-    hang_seconds: float = Field(3600.0, gt=0)
+    hang_seconds: float = Field(3600.0, gt=0, description="how long a hang_at hang blocks")
     env_error_rate: float = Field(0.0, ge=0, le=1, description="share of env steps that raise")
     oom_at: list[int] = Field(default_factory=list, description="steps whose update raises torch.OutOfMemoryError once")
     oom_rank: int | None = Field(None, ge=0, description="more than one process: the rank that runs out (None = all)")
@@ -205,7 +205,7 @@ class DistConfig(_Strict):
 class SuiteConfig(_Strict):
     """One more env (or dataset) evaluated beside the training env's eval, its metrics prefixed `NAME/`."""
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="its metrics' prefix: NAME/eval_reward, ...")
-    env: str
+    env: str = Field(description="the env (or dataset env) evaluated, by its registered name")
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
     episodes: int | None = Field(None, gt=0, description="greedy episodes per eval; None = loop.eval_episodes")
 
@@ -237,10 +237,10 @@ class EvalConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    env: str
+    env: str = Field(description="the env, agent or dataset env to train on, by its registered name")
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
     model: ModelConfig = Field(default_factory=ModelConfig)
-    seed: int = Field(0, ge=0, lt=2**30)
+    seed: int = Field(0, ge=0, lt=2**30, description="seeds the initial weights and the episodes")
     loop: LoopConfig = Field(default_factory=LoopConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig)
@@ -268,7 +268,7 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _run_defaults(self):
-        """Defaults that depend on the run (README, "Two sets of defaults"), set only where the config leaves the field unset."""
+        """Defaults that depend on the run (docs/models.md), set only where the config leaves the field unset."""
         defaults = []
         if self.model.path:  # a trained checkpoint: the presets' rates (a 1M-parameter policy from scratch) wreck it
             defaults += [(self.algo, "lr", 1e-6), (self.warm_start, "steps", 0), (self.warm_start, "lr", 1e-5)]
