@@ -212,8 +212,11 @@ def run_page(request: Request, run_id: int):
                 "ranks": config.get("dist", {}).get("nproc", 1) * config.get("dist", {}).get("nnodes", 1), "ray": ray,
                 "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
+                  alerts=request.app.state.records.alerts(run_id)[::-1],
+                  events=request.app.state.records.events(run_id)[-5:][::-1],
                   page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],
-                        "started_at": run["started_at"], "finished_at": run["finished_at"],
+                        "started_at": run["started_at"], "finished_at": run["finished_at"], "status": run["status"],
+                        "attempts": [[a["started_at"], a["ended_at"]] for a in request.app.state.records.attempts(run_id)],
                         "total_steps": run["total_steps"],
                         "best": config.get("eval", {}).get("best", "eval_reward")})  # the metric OUT/best follows
 

@@ -1,0 +1,155 @@
+"""The run and compare pages in Chromium against the app under uvicorn over a real SQLite (no daemon), with records
+written as a worker writes them: spikes stay on the chart and inside the plot after a zoom; training time frozen while
+queued; sections that collapse and stay so, constant metrics folded into one line, pinned and hidden charts, little
+layout shift; compare on a chosen metric with elapsed time as x, a summary table and a group of seeds as a band."""
+import math
+import time
+
+import pytest
+from playwright.sync_api import expect
+from sqlmodel import Session
+
+from app_support import FAST, TOKEN, hook, new_run, web  # noqa: F401 (hook, web: fixtures)
+from daemon.models import Attempt, Metric, Run
+
+
+def write(web, run_id: int, series: dict[str, list[tuple[int, float, float]]]):
+    """Metric rows (step, value, time) as a worker's sink writes them."""
+    with Session(web["records"].engine) as s:
+        for name, points in series.items():
+            s.add_all(Metric(run_id=run_id, name=name, step=st, value=v, time=t) for st, v, t in points)
+        s.commit()
+
+
+def set_run(web, run_id: int, attempts=(), **values):
+    with Session(web["records"].engine) as s:
+        run = s.get(Run, run_id)
+        for k, v in values.items():
+            setattr(run, k, v)
+        s.add(run)
+        s.add_all(Attempt(run_id=run_id, number=i + 1, started_at=a, ended_at=b) for i, (a, b) in enumerate(attempts))
+        s.commit()
+
+
+def plot(page, chart: str, expression: str):
+    return page.evaluate(f"(() => {{ const u = document.getElementById('chart-{chart}').plot; return {expression}; }})()")
+
+
+def open_run(page, web, run_id: int, points: int, chart: str = "policy_loss"):
+    page.goto(f"{web['base']}/runs/{run_id}?token={TOKEN}")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator(f"#chart-{chart}")).to_have_attribute("data-points", str(points))
+
+
+@pytest.fixture(scope="module")
+def spiky(web):
+    """A finished run: a noisy loss with one spike of 1000 at step 50, and a learning rate that never changed."""
+    run = new_run(web, name="spiky")
+    t0 = time.time() - 600
+    loss = [(s, 1000.0 if s == 50 else 1 + 0.1 * math.sin(s), t0 + s) for s in range(100)]
+    write(web, run["id"], {"policy_loss": loss, "lr": [(s, 1e-3, t0 + s) for s in range(100)],
+                           "reward_mean": [(s, s / 100, t0 + s) for s in range(100)]})
+    set_run(web, run["id"], attempts=[(t0, t0 + 100)], status="completed", step=100, total_steps=100,
+            started_at=t0, finished_at=t0 + 100)
+    return run["id"]
+
+
+def blue_left_of_plot(page, chart: str) -> int:
+    """Pixels of a line's blue (the first colour, raw or smoothed) drawn left of the plot, over the y-axis."""
+    return page.evaluate(f"""(() => {{
+        const u = document.getElementById('chart-{chart}').plot, ctx = u.ctx, px = devicePixelRatio;
+        const img = ctx.getImageData(0, 0, Math.floor(u.bbox.left) - 1, ctx.canvas.height).data;
+        let n = 0;
+        for (let i = 0; i < img.length; i += 4) if (img[i + 3] > 0 && img[i + 2] > img[i] + 60 && img[i + 2] > img[i + 1] + 40) n++;
+        return n;
+    }})()""")
+
+
+def test_a_spike_is_inside_the_y_range_and_the_plot_before_and_after_a_zoom(web, spiky, page):
+    open_run(page, web, spiky, 100)
+    # smoothed (the page's default 0.6): the drawn line peaks far below 1000, the raw point is still in range
+    assert plot(page, "policy_loss", "u.series[1].smooth") is True
+    assert plot(page, "policy_loss", "Math.max(...u.data[1].filter((v) => v != null))") < 700
+    assert plot(page, "policy_loss", "u.scales.y.max") >= 1000
+    # zoomed into steps 45-55 (as a drag does): the spike still in range, and no line drawn over the y-axis
+    page.evaluate("document.getElementById('chart-policy_loss').plot.setScale('x', {min: 45, max: 55})")
+    assert plot(page, "policy_loss", "[u.scales.x.min, u.scales.x.max]") == [45, 55]
+    assert plot(page, "policy_loss", "u.scales.y.max") >= 1000
+    top = plot(page, "policy_loss", "u.valToPos(1000, 'y')")
+    assert 0 <= top <= plot(page, "policy_loss", "u.bbox.height / devicePixelRatio")
+    assert blue_left_of_plot(page, "policy_loss") == 0
+    # zoomed away from the spike: the range fits that window's points
+    page.evaluate("document.getElementById('chart-policy_loss').plot.setScale('x', {min: 0, max: 30})")
+    assert plot(page, "policy_loss", "u.scales.y.max") < 5
+
+
+def test_sections_collapse_and_stay_collapsed_constants_fold_charts_pin_and_hide(web, spiky, page):
+    page.goto(f"{web['base']}/?token={TOKEN}")
+    page.evaluate("localStorage.clear()")
+    open_run(page, web, spiky, 100)
+    # the constant learning rate: one line with its value, no flat chart; a click shows its chart
+    constant = page.locator(".folded-constant button[data-chart=lr]")
+    expect(constant).to_have_text("lr = 0.001")
+    expect(page.locator("#chart-lr")).to_be_hidden()
+    constant.click()
+    expect(page.locator("#chart-lr")).to_be_visible()
+    # a collapsed section stays collapsed after a reload
+    page.locator("#section-loss > summary").click()
+    expect(page.locator("#chart-policy_loss")).to_be_hidden()
+    # pin the reward chart to the top, hide the loss chart
+    page.locator("#chart-reward_mean button[data-act=pin]").click()
+    expect(page.locator("#section-pinned #chart-reward_mean")).to_be_visible()
+    page.reload()
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator("#section-pinned #chart-reward_mean")).to_be_visible()
+    assert page.evaluate("document.getElementById('section-loss').open") is False
+    assert page.evaluate("document.getElementById('section-pinned').compareDocumentPosition("
+                         "document.getElementById('section-reward')) & Node.DOCUMENT_POSITION_FOLLOWING")
+    page.locator("#section-loss > summary").click()
+    page.locator("#chart-policy_loss button[data-act=hide]").click()
+    expect(page.locator("#chart-policy_loss")).to_be_hidden()
+    page.locator(".folded-hidden button[data-chart=policy_loss]").click()
+    expect(page.locator("#chart-policy_loss")).to_be_visible()
+    page.evaluate("localStorage.clear()")
+
+
+LAYOUT_SHIFT = """window.__shift = 0;
+new PerformanceObserver((list) => { for (const e of list.getEntries()) if (!e.hadRecentInput) window.__shift += e.value; })
+  .observe({type: "layout-shift", buffered: true});"""
+
+
+@pytest.mark.parametrize("width", [1440, 390])
+def test_the_run_page_loads_with_little_layout_shift(web, page, width):
+    run = new_run(web, name="shift")
+    t0 = time.time() - 600
+    names = ["reward_mean", "eval_reward", "policy_loss", "grad_norm", "entropy", "kl_ref", "clip_ratio",
+             "staleness_mean", "samples_per_s", "tokens_per_s", "rss_gb", "response_length", "pass_rate"]
+    write(web, run["id"], {n: [(s, math.sin(s + i) + i, t0 + s) for s in range(60)] for i, n in enumerate(names)})
+    set_run(web, run["id"], attempts=[(t0, t0 + 60)], status="completed", step=60, total_steps=60, started_at=t0,
+            finished_at=t0 + 60)
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(f"{web['base']}/?token={TOKEN}")
+    page.add_init_script(LAYOUT_SHIFT)
+    open_run(page, web, run["id"], 60)
+    expect(page.locator("#log pre, #log p").first).to_be_attached()  # the panels below have loaded too
+    expect(page.locator("#records table, #records p").first).to_be_attached()
+    shift = page.evaluate("window.__shift")
+    assert shift < 0.1, shift
+
+
+def test_training_time_is_frozen_while_queued_and_the_eta_names_the_status(web, page):
+    run = new_run(web, name="queued-again")
+    now = time.time()
+    # trained 2 minutes, stopped, queued again 3 minutes ago
+    set_run(web, run["id"], attempts=[(now - 300, now - 180)], status="queued", step=10, total_steps=30,
+            started_at=now - 300)
+    page.goto(f"{web['base']}/runs/{run['id']}?token={TOKEN}")
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator("#ov-elapsed")).to_have_text("2m 0s")
+    expect(page.locator("#ov-eta")).to_have_text("queued")
+    ticks = page.evaluate("window.__molt.overviews")
+    page.wait_for_function(f"window.__molt.overviews >= {ticks + 2}")  # two more seconds of the page's clock
+    expect(page.locator("#ov-elapsed")).to_have_text("2m 0s")
+    set_run(web, run["id"], status="stopped")
+    expect(page.locator("#ov-eta")).to_have_text("stopped")
+    expect(page.locator("#ov-elapsed")).to_have_text("2m 0s")
