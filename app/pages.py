@@ -14,13 +14,15 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Form, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from sqlalchemy import bindparam, select
 from markupsafe import escape
 
 from daemon.records import Conflict, RunNotFound
-from daemon.models import ACTIVE, STATUSES, TERMINAL
+from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
+from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
@@ -283,7 +285,10 @@ def ack_alert(request: Request, run_id: int, alert_id: int, csrf_token: Annotate
 
 @router.get("/compare")
 @guarded
-def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all: bool = False):  # noqa: B006
+def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all: bool = False,  # noqa: B006
+                 group: str = ""):
+    """Several runs' metrics overlaid (the metrics and x axis chosen in compare.js, kept in the URL), a summary row
+    per run, the config differences; `group` (a config key, or "tag") draws each group's mean with a min/max band."""
     wanted = []
     for part in ids:
         wanted += [int(x) for x in part.split(",") if x.strip().isdigit()]
@@ -298,10 +303,30 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
     keys = sorted(set().union(*leaves)) if leaves else []
     rows = [(k, [lv.get(k, "—") for lv in leaves]) for k in keys]
     differing = [(k, vals) for k, vals in rows if len({json.dumps(v) for v in vals}) > 1]
+    groups = {r["id"]: (", ".join(sorted(r["tags"])) or "untagged" if group == "tag" else
+                        f"{group}={json.dumps(lv.get(group, '—'))}") for r, lv in zip(runs, leaves)} if group else {}
+    summary, attempts, names = [], {}, set()
+    with records.engine.connect() as c:
+        for r in runs:
+            names.update(metric_names(c, r["id"]))
+            best_name = r["config"].get("eval", {}).get("best", "eval_reward")
+            best = c.execute(BEST_EVAL, {"run_id": r["id"], "name": best_name}).first()
+            attempts[r["id"]] = [[a["started_at"], a["ended_at"]] for a in records.attempts(r["id"])]
+            seconds = sum(((a_end or (time.time() if r["status"] == "running" else r["finished_at"] or a_start))
+                           - a_start) for a_start, a_end in attempts[r["id"]])
+            summary.append({"run": r, "best": best, "best_name": best_name, "seconds": seconds if attempts[r["id"]] else None})
     return render(request, "compare.html", runs=runs, rows=rows if all else differing, all=all,
                   differing=len(differing), total=len(rows), ids=",".join(str(r["id"]) for r in runs),
-                  page={"run_ids": [r["id"] for r in runs], "names": {r["id"]: r["name"] for r in runs}},
+                  summary=summary, group=group, group_keys=["tag"] + keys,
+                  page={"run_ids": [r["id"] for r in runs], "names": {r["id"]: r["name"] for r in runs},
+                        "metrics": sorted(names), "attempts": attempts, "groups": groups},
                   recent=records.list_runs(limit=30, config=False))
+
+
+# the best value of a run's eval.best metric, and its step (NaN is stored as NULL: skipped)
+BEST_EVAL = (select(Metric.value, Metric.step).where(Metric.run_id == bindparam("run_id"),
+                                                     Metric.name == bindparam("name"), Metric.value.is_not(None))
+             .order_by(Metric.value.desc(), Metric.step).limit(1))
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -44,17 +44,29 @@ def visible_metrics(page) -> set[str]:
                                 .flatMap((c) => (c.dataset.metrics || '').split(' ').filter(Boolean))"""))
 
 
+def constant_metrics(page) -> set[str]:
+    """The metrics folded into the "constant" line (one value at every step) instead of a flat chart."""
+    return set(page.evaluate("""[...document.querySelectorAll('.folded-constant button')]
+                                .flatMap((b) => document.getElementById(`chart-${b.dataset.chart}`).dataset.metrics.split(' '))"""))
+
+
 def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_the_rest(finished, page):
     _, _, series = finished
     open_run(page, finished)
     charted = {name for name, s in series.items()
                if not (CHAT_OR_GPU.match(name) and all(v == 0 for v in s["value"]))}
     assert len(charted) >= 30, sorted(series)
-    wait_until(lambda: visible_metrics(page) == charted, 10, message="a visible chart for each recorded metric")
-    # those that were only in the CSV/JSON before, each in a chart of its own
+    wait_until(lambda: visible_metrics(page) | constant_metrics(page) == charted, 10,
+               message="a visible chart, or a place in the constant line, for each recorded metric")
+    constants = constant_metrics(page)
+    assert constants and not constants & visible_metrics(page)
+    for name in constants:  # a constant metric is listed with its one value
+        assert len(set(series[name]["value"])) == 1 and len(series[name]["value"]) >= 3
+    # those that were only in the CSV/JSON before, each in a chart of its own (or the constant line)
     for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_dropped",
                  "trainer_idle_ratio", "sampler_idle_ratio", "trained_fraction"):
-        expect(page.locator(f"#chart-{name}")).to_be_visible()
+        if name not in constants:
+            expect(page.locator(f"#chart-{name}")).to_be_visible()
     # no chat chart on a text run, no GPU chart on a CPU run, no MoE section for a dense policy
     assert series["tool_errors"]["value"] and not any(series["tool_errors"]["value"])
     expect(page.locator("#chart-tool_errors")).to_be_hidden()
@@ -63,7 +75,7 @@ def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_th
     # sections by name
     for section, name in [("reward", "reward_mean"), ("reward", "eval_reward"), ("loss", "policy_loss"),
                           ("loss", "grad_norm"), ("staleness", "staleness_mean"), ("throughput", "samples_per_s"),
-                          ("memory", "rss_gb"), ("env", "env_errors")]:
+                          ("memory", "rss_gb"), ("env", "response_length")]:
         expect(page.locator(f"#section-{section} #chart-{name}")).to_be_visible()
 
     page.fill("#view input[name=q]", "loss")
@@ -144,9 +156,11 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(page.locator("#chart-breaker_tripped")).to_have_count(0)
     expect(page.locator("#chart-breaker_threshold")).to_have_count(0)
 
-    # a flat series gets a small range around its value, not 0-100
+    # a flat series (folded into the constant line: a click shows its chart) gets a small range around its value
     flat = next(n for n in ("stale_dropped", "env_errors", "staleness_max")
                 if len(set(series[n]["value"])) == 1)
+    page.locator(f".folded-constant button[data-chart={flat}]").click()
+    expect(page.locator(f"#chart-{flat}")).to_be_visible()
     lo, hi = plot(page, flat, "[u.scales.y.min, u.scales.y.max]")
     value = series[flat]["value"][0]
     assert lo < value < hi and hi - lo <= 2 * max(1, abs(value))

@@ -153,3 +153,46 @@ def test_training_time_is_frozen_while_queued_and_the_eta_names_the_status(web, 
     set_run(web, run["id"], status="stopped")
     expect(page.locator("#ov-eta")).to_have_text("stopped")
     expect(page.locator("#ov-elapsed")).to_have_text("2m 0s")
+
+
+def test_compare_a_chosen_metric_with_elapsed_x_a_summary_and_two_seeds_as_a_band(web, page):
+    t0 = time.time() - 3600
+    ids = []
+    for seed, env in [(1, "max_digit"), (2, "max_digit"), (3, "calculator")]:
+        run = new_run(web, name=f"seed{seed}", config={**FAST, "env": env, "seed": seed})
+        ids.append(run["id"])
+        # 30 steps, stopped for 10 minutes after step 14, then 15 more: 60 s of training each side of the gap
+        times = [t0 + 4 * s + (600 if s >= 15 else 0) for s in range(30)]
+        write(web, run["id"], {"pass_rate": [(s, seed * 0.01 + s / 30, times[s]) for s in range(30)],
+                               "reward_mean": [(s, seed + s, times[s]) for s in range(30)],
+                               "eval_reward": [(s, seed * 0.1 + (0.5 if s == 10 else 0), times[s]) for s in (0, 10, 20)]})
+        set_run(web, run["id"], attempts=[(t0, t0 + 60), (t0 + 660, t0 + 720)], status="completed", step=30,
+                total_steps=30, reward=seed + 29.0, started_at=t0, finished_at=t0 + 720)
+    page.goto(f"{web['base']}/compare?ids={','.join(map(str, ids))}&metrics=pass_rate&token={TOKEN}")
+    expect(page.locator("#chart-pass_rate")).to_have_attribute("data-points", "30")
+    expect(page.locator("#chart-reward_mean")).to_have_count(0)
+    # the summary table above the charts: final reward, best eval and its step, training time (2 minutes), status
+    first = page.locator(f"#summary tr[data-run-id='{ids[0]}']")
+    expect(first).to_contain_text("completed")
+    expect(first.locator(".best")).to_contain_text("0.6 at step 10")
+    expect(first.locator(".duration")).to_have_text("0:02:00")
+    # pick another metric from the picker: charted, and kept in the URL
+    page.locator("#metric-picker summary").click()
+    page.locator("#metric-filter").fill("reward_m")
+    expect(page.locator("#metric-sections label", has_text="pass_rate")).to_be_hidden()
+    page.locator("#metric-sections input[value=reward_mean]").check()
+    expect(page.locator("#chart-reward_mean")).to_have_attribute("data-points", "30")
+    assert "metrics=pass_rate%2Creward_mean" in page.url
+    # elapsed time as x: training minutes, the 10-minute stop left out
+    page.select_option("#view select[name=x]", "elapsed")
+    xs = plot(page, "pass_rate", "u.data[0]")
+    assert xs[0] == 0 and 1.9 < xs[-1] <= 2.0
+    # grouped by env: the two max_digit seeds as one mean line with its min/max band, the calculator run alone
+    page.goto(f"{web['base']}/compare?ids={','.join(map(str, ids))}&metrics=pass_rate&group=env")
+    expect(page.locator("#chart-pass_rate")).to_have_attribute("data-points", "30")
+    labels = plot(page, "pass_rate", "u.series.slice(1).map((s) => s.label)")
+    assert labels[0].startswith('env="max_digit" (2 runs') and labels[1].startswith('env="calculator" (1 run,')
+    mean, lo, hi = page.evaluate("""(() => { const c = window.__molt.charts.pass_rate;
+        return [c.plot.data[1][0], c.bands[0][0][0], c.bands[0][1][0]]; })()""")
+    assert lo == pytest.approx(0.01) and hi == pytest.approx(0.02) and mean == pytest.approx(0.015)
+    assert page.evaluate("window.__molt.charts.pass_rate.bands[1]") is None

@@ -67,7 +67,8 @@ Object.assign(Molt, (() => {
 
     const hasData = (name) => store[name] && store[name].step.length &&
       (!ONLY_NONZERO.test(name) || store[name].value.some((v) => v !== 0));
-    // a metric that never changed (3 points or more, one value): listed with its value instead of a flat chart
+    // a metric that never changed (3 points or more, one value): listed with its value instead of a flat chart (the
+    // reward section's always charted: a flat reward is the run's outcome)
     const constant = (s) => s.step.length >= 3 && s.value.every((v) => Object.is(v, s.value[0]));
 
     function draw() {
@@ -91,8 +92,9 @@ Object.assign(Molt, (() => {
           continue;
         }
         if (hidden.has(id)) { chart.root.hidden = true; hiddenShown.push(id); continue; }
-        if (drawn.length && !pinned.has(id) && !unfolded.has(id) && drawn.every((l) => constant(store[l.name]))) {
-          chart.root.hidden = true;
+        if (drawn.length && section !== "reward" && !pinned.has(id) && !unfolded.has(id) &&
+            drawn.every((l) => constant(store[l.name]))) {
+          chart.root.hidden = true; chart.root.dataset.points = String(store[drawn[0].name].step.length);
           constants.push([id, drawn.map((l) => `${l.name} = ${fmt(store[l.name].value[0])}`).join(", ")]);
           continue;
         }
