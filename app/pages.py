@@ -22,10 +22,12 @@ from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
+from .queue import queue_notes
 from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
+TEMPLATES.env.globals["queue_notes"] = queue_notes  # the evaluations page shows each waiting one's place in line
 router = APIRouter(include_in_schema=False)
 RUNS_PER_PAGE = 100
 
@@ -132,7 +134,10 @@ def list_context(request: Request, f: dict) -> dict:
         status=f["status"], tag=f["tag"] or None, env=f["env"] or None, q=f["q"] or None,
         archived=None if f["archived"] else False, sort=f["sort"], descending=f["order"] == "desc",
         limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"], config=False)
+    queued = any(r["status"] == "queued" for r in runs)
+    notes = queue_notes(request.app.state.records.engine, request.app.state.concurrency) if queued else {}
     for r in runs:
+        r["queue"] = notes.get(("run", r["id"]))  # what a queued run waits for
         r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
         r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
     # attributes, not dict keys: Jinja tries `r.name` as an attribute first, and a failed try per cell was a third
@@ -214,6 +219,7 @@ def run_page(request: Request, run_id: int):
                 "ranks": config.get("dist", {}).get("nproc", 1) * config.get("dist", {}).get("nnodes", 1), "ray": ray,
                 "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
+                  note=queue_note(request, run),
                   alerts=request.app.state.records.alerts(run_id)[::-1],
                   events=request.app.state.records.events(run_id)[-5:][::-1],
                   page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],
@@ -221,6 +227,12 @@ def run_page(request: Request, run_id: int):
                         "attempts": [[a["started_at"], a["ended_at"]] for a in request.app.state.records.attempts(run_id)],
                         "total_steps": run["total_steps"],
                         "best": config.get("eval", {}).get("best", "eval_reward")})  # the metric OUT/best follows
+
+
+def queue_note(request: Request, run: dict) -> str | None:
+    if run["status"] != "queued" or run["host"]:
+        return None
+    return queue_notes(request.app.state.records.engine, request.app.state.concurrency).get(("run", run["id"]))
 
 
 @router.get("/runs/{run_id}/samples")
@@ -244,6 +256,8 @@ def run_panel(request: Request, run_id: int, panel: str):
     if panel == "records":
         return render(request, "_records.html", run=run, attempts=records.attempts(run_id),
                       checkpoints=records.checkpoints(run_id), events=records.events(run_id)[-30:][::-1])
+    if panel == "queue":
+        return render(request, "_queue.html", run=run, note=queue_note(request, run))
     if panel == "log":
         return render(request, "_log.html", run=run, log=records.log_tail(run_id, max_bytes=16384), active=ACTIVE)
     raise HTTPException(404, f"no panel {panel}")

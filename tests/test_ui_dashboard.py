@@ -196,3 +196,43 @@ def test_compare_a_chosen_metric_with_elapsed_x_a_summary_and_two_seeds_as_a_ban
         return [c.plot.data[1][0], c.bands[0][0][0], c.bands[0][1][0]]; })()""")
     assert lo == pytest.approx(0.01) and hi == pytest.approx(0.02) and mean == pytest.approx(0.015)
     assert page.evaluate("window.__molt.charts.pass_rate.bands[1]") is None
+
+
+def test_queued_runs_and_evaluations_show_their_place_in_line_and_what_holds_the_slot(web, page):
+    from daemon.models import Evaluation
+    holder = new_run(web, name="holder")
+    first, second = new_run(web, name="first")["id"], new_run(web, name="second")["id"]
+    set_run(web, holder["id"], status="running", started_at=time.time())
+    external = new_run(web, name="elsewhere")  # an external run takes no local slot
+    set_run(web, external["id"], status="running", host="lab-7")
+    with Session(web["records"].engine) as s:
+        evaluation = Evaluation(config={"env": "max_digit", "episodes": 8, "k": 1, "temperature": 0.0,
+                                        "model": {"preset": "tiny-dense"}})
+        s.add(evaluation)
+        s.commit()
+        eval_id = evaluation.id
+    page.goto(f"{web['base']}/runs/{second}?token={TOKEN}")
+    note = page.locator("#queue-note")
+    expect(note).to_contain_text("2nd in line")
+    expect(note).to_contain_text(f"held by run #{holder['id']} 'holder'")
+    assert "elsewhere" not in note.inner_text()
+    # the runs list says it too
+    page.goto(f"{web['base']}/")
+    expect(page.locator(f"#runs-rows tr[data-run-id='{first}'] .queue")).to_have_text("1st in line")
+    expect(page.locator(f"#runs-rows tr[data-run-id='{second}'] .queue")).to_have_text("2nd in line")
+    # the evaluations page: after the queued runs; it follows the evaluation's status without a reload
+    page.goto(f"{web['base']}/evals")
+    row = page.locator(f"#eval-{eval_id}")
+    expect(row).to_contain_text("3rd in line")
+    with Session(web["records"].engine) as s:
+        e = s.get(Evaluation, eval_id)
+        e.status, e.metrics = "completed", {"mean_reward": 0.25}
+        s.add(e)
+        s.commit()
+    expect(page.locator(f"#eval-{eval_id}")).to_contain_text("completed", timeout=10_000)
+    expect(page.locator(f"#eval-{eval_id}")).not_to_contain_text("in line")
+    # once the holder is done, the first queued run's page follows (it polls its place in line)
+    page.goto(f"{web['base']}/runs/{first}")
+    expect(page.locator("#queue-note")).to_contain_text("1st in line")
+    set_run(web, holder["id"], status="completed")
+    expect(page.locator("#queue-note")).to_contain_text("no slot taken", timeout=10_000)
