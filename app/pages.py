@@ -17,6 +17,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import bindparam, select
 from markupsafe import escape
 
+from daemon.evals import list_evals
 from daemon.records import Conflict, RunNotFound
 from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
 
@@ -240,7 +241,13 @@ def queue_note(request: Request, run: dict) -> str | None:
 def samples_page(request: Request, run_id: int):
     """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
     run = get_run_or_404(request, run_id)
-    return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"]})
+    # an evaluation's episodes are recorded at step = its id: the page names the evaluation, its checkpoint and
+    # step, and the policy version of that checkpoint (the trainer's version on them is 0)
+    versions = {c["step"]: c["version"] for c in request.app.state.records.checkpoints(run_id)}
+    evaluations = {e["id"]: {"checkpoint": e["checkpoint"], "step": e["step"], "version": versions.get(e["step"])}
+                   for e in list_evals(request.app.state.records.engine, run_id)}
+    return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"],
+                                                          "evaluations": evaluations})
 
 
 @router.get("/runs/{run_id}/panels/{panel}")

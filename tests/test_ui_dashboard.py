@@ -236,3 +236,30 @@ def test_queued_runs_and_evaluations_show_their_place_in_line_and_what_holds_the
     expect(page.locator("#queue-note")).to_contain_text("1st in line")
     set_run(web, holder["id"], status="completed")
     expect(page.locator("#queue-note")).to_contain_text("no slot taken", timeout=10_000)
+
+
+def test_evaluation_samples_name_the_evaluation_its_checkpoint_step_and_policy_version(web, page):
+    from daemon.models import Checkpoint, Evaluation, Sample
+    run = new_run(web, name="evaluated")
+    set_run(web, run["id"], status="completed")
+    with Session(web["records"].engine) as s:
+        s.add(Checkpoint(run_id=run["id"], step=40, path="/nowhere/step-40", version=37))
+        evaluation = Evaluation(run_id=run["id"], checkpoint="best", step=40, status="completed",
+                                config={"env": "max_digit", "episodes": 1, "k": 1, "temperature": 0.0})
+        s.add(evaluation)
+        s.commit()
+        eval_id = evaluation.id
+        tokens = {"id": [1, 2], "text": ["a", "b"], "action": [0, 1], "logprob": [None, -0.5],
+                  "trainer_logprob": [None, -0.4], "version": [0, 0], "entropy": [None, 0.3]}
+        s.add(Sample(run_id=run["id"], step=eval_id, kind="evaluation", position=0, group_id=0, seed=1, version=0,
+                     reward=1.0, success=True, turns=1, tool_calls=0, tool_errors=0, prompt="a", text="ab",
+                     tokens=tokens))
+        s.commit()
+    # the evaluations page's link, with a colouring: it survives the way to the run's samples view
+    page.goto(f"{web['base']}/evals/{eval_id}/samples?color=logprob&token={TOKEN}")
+    assert "color=logprob" in page.url and f"step={eval_id}" in page.url
+    expect(page.locator("#sample-filters select[name=color]")).to_have_value("logprob")
+    header = page.locator("article.episode header").first
+    expect(header.locator("b")).to_have_text(f"evaluation #{eval_id} · checkpoint best (step 40)")
+    expect(header).to_contain_text("policy version 37")
+    expect(header).not_to_contain_text("trainer version")

@@ -153,7 +153,14 @@ const MoltSamples = (() => {
                      `reward ${fmt(ep.reward)}`, `advantage ${fmt(ep.advantage)}`, ep.success ? "pass" : "fail",
                      `turns ${ep.turns}`, `tool calls ${ep.tool_calls}`, `tool errors ${ep.tool_errors}`,
                      `trainer version ${ep.version}`];
-      article.append(el("header", {}, el("b", {}, `${ep.kind} · step ${ep.step}`),
+      let title = `${ep.kind} · step ${ep.step}`;
+      const evaluation = ep.kind === "evaluation" && page.evaluations?.[ep.step];  // its step is the evaluation's id
+      if (evaluation) {
+        title = `evaluation #${ep.step} · checkpoint ${evaluation.checkpoint}` +
+          (evaluation.step != null && String(evaluation.step) !== String(evaluation.checkpoint) ? ` (step ${evaluation.step})` : "");
+        facts[facts.length - 1] = `policy version ${evaluation.version ?? "unknown"}`;
+      }
+      article.append(el("header", {}, el("b", {}, title),
                         ...facts.map((fact) => el("span", {}, fact)), same));
       if (ep.images.length) {
         const thumbs = el("div", {className: "thumbs"});
