@@ -15,6 +15,7 @@ from sqlmodel import Session
 from .db import connect, data_home, finish_run, hold_lock, run_dir
 from .models import ACTIVE, Attempt, Metric, Run, now
 from .sink import DbSink, HttpSink
+from .system import SystemSampler
 
 DUPLICATE = 75          # exit code: another worker of this run is alive (EX_TEMPFAIL); this one never started
 TRACEBACK_LINES = 40
@@ -103,6 +104,9 @@ def main(argv=None) -> int:
                       keep_samples=config.get("record", {}).get("keep_steps"),
                       full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
     summary, values, code = None, {}, 0
+    sampler = SystemSampler(engine, args.run_id, sink) if isinstance(sink, DbSink) else None  # CPU, memory, GPUs
+    if sampler:
+        sampler.start()
     try:
         from molt_engine import RunConfig, train
         summary = train(RunConfig.model_validate(config), sink, out_dir=directory, resume=True)
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
         # the one torchrun passes on after rank 0 already stopped at the dashboard's word, must not kill the process
         # before its end is recorded: that end would be lost and the attempt's cause a bare "exit code 0".
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if sampler:
+            sampler.stop()
         if isinstance(sink, HttpSink) and values.get("outcome") not in (None, "error"):
             sink.end(values["outcome"], summary)  # the dashboard records the end as _record does (an error's
         elif sink:                                # cause reaches the worker through torchrun and Ray instead)

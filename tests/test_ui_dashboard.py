@@ -263,3 +263,19 @@ def test_evaluation_samples_name_the_evaluation_its_checkpoint_step_and_policy_v
     expect(header.locator("b")).to_have_text(f"evaluation #{eval_id} · checkpoint best (step 40)")
     expect(header).to_contain_text("policy version 37")
     expect(header).not_to_contain_text("trainer version")
+
+
+def test_a_running_run_charts_its_worker_cpu_and_memory_in_the_system_section(tmp_path, page):
+    from app_support import serve
+    with serve(tmp_path) as served:
+        run = served.create({**FAST, "loop": {**FAST["loop"], "steps": 400}}, name="system")
+        page.goto(served.url)
+        page.goto(f"{served.base}/runs/{run['id']}")
+        # sampled every 2 s by the worker, charted live while it trains
+        for name in ("system/cpu_percent", "system/rss_gb"):
+            expect(page.locator(f'#section-system [id="chart-{name}"]')).to_be_visible(timeout=60_000)
+        assert plot(page, "system/rss_gb", "u.axes[1].label") == "system/rss_gb (GB)"
+        rss = served.client.get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "system/rss_gb"}).json()
+        assert 0.05 < rss["series"]["system/rss_gb"]["value"][-1] < 64  # a Python process with torch: some GB
+        assert served.client.get(f"/api/v1/runs/{run['id']}").json()["status"] == "running"
+        served.client.post(f"/api/v1/runs/{run['id']}/stop")

@@ -26,7 +26,8 @@ Object.assign(Molt, (() => {
   const ONLY_NONZERO = /^([^/]+\/)?(eval_)?(tool_|template_prefix|agent_|gpu_)|^(segments_per_episode|sampling_overrides)$/;
   const UNITS = [[/_gb$/, "GB"], [/^samples_per_s$/, "samples/s"], [/^tokens_per_s$/, "tokens/s"],
                  [/staleness/, "versions"], [/response_length/, "tokens"], [/^lr$/, "learning rate"],
-                 [/(_rate|_ratio|_fraction|_share|share_l\d+_e\d+)$|accuracy/, "fraction"]];
+                 [/(_rate|_ratio|_fraction|_share|share_l\d+_e\d+)$|accuracy/, "fraction"], [/_percent$/, "%"],
+                 [/_power_w$/, "W"]];
   const unit = (name) => UNITS.find(([re]) => re.test(name))?.[1];
   const axisTitle = (name) => (unit(name) ? `${name} (${unit(name)})` : name);
   const X_TITLES = {step: "step", time: "wall time", elapsed: "elapsed (min)"};
