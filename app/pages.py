@@ -24,6 +24,7 @@ from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
 from .queue import queue_notes
+from .run_columns import column_values, parse_columns
 from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
@@ -121,36 +122,54 @@ RUN_COLUMNS = {"created": "created", "status": "status", "env": "env", "model": 
 
 def run_filters(status: str | None = None, env: str | None = None, tag: str | None = None, q: str | None = None,
                 sort: str = "created", order: str = "desc", archived: bool = False, offset: int = 0,
-                before: int | None = None) -> dict:
-    """The runs list's state, all in the URL query so that a reload or a shared link shows the same list."""
+                before: int | None = None, cols: str | None = None) -> dict:
+    """The runs list's state, all in the URL query so that a reload or a shared link shows the same list. `cols`:
+    the chosen columns (run_columns.py), which sort too."""
+    chosen, cols_error = parse_columns(cols)
     return {"status": status if status in STATUSES else None, "env": env, "tag": tag, "q": q,
-            "sort": sort if sort in RUN_COLUMNS else "created", "order": "asc" if order == "asc" else "desc",
-            "archived": archived, "offset": max(0, offset), "before": before}
+            "sort": sort if sort in RUN_COLUMNS or sort in chosen else "created",
+            "order": "asc" if order == "asc" else "desc", "archived": archived, "offset": max(0, offset),
+            "before": before, "cols": ",".join(chosen) or None, "cols_error": cols_error}
 
 
 def list_context(request: Request, f: dict) -> dict:
     """One page of runs (newest first unless sorted); `before` (a run id) starts after the runs newer than it. Each
-    row gets an etag of what it shows, so that the page swaps only the rows that changed (runs.js)."""
-    runs = request.app.state.records.list_runs(
+    row gets an etag of what it shows, so that the page swaps only the rows that changed (runs.js). Sorted by a
+    chosen column, every matching run is read (without its config) and sorted here, then paged."""
+    records = request.app.state.records
+    chosen = f["cols"].split(",") if f["cols"] else []
+    by_column = f["sort"] in chosen
+    runs = records.list_runs(
         status=f["status"], tag=f["tag"] or None, env=f["env"] or None, q=f["q"] or None,
-        archived=None if f["archived"] else False, sort=f["sort"], descending=f["order"] == "desc",
-        limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"], config=False)
+        archived=None if f["archived"] else False, sort="created" if by_column else f["sort"],
+        descending=f["order"] == "desc", limit=None if by_column else RUNS_PER_PAGE + 1,
+        offset=None if by_column else f["offset"] or None, before=f["before"], config=False)
+    values = column_values(records.engine, chosen, [r["id"] for r in runs]) if chosen else {}
+    if by_column:  # runs without a value last, whichever the order
+        column = values[f["sort"]]
+        order = lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))  # noqa: E731 numbers, then text
+        have = sorted((r for r in runs if r["id"] in column), key=lambda r: order(column[r["id"]]),
+                      reverse=f["order"] == "desc")
+        runs = (have + [r for r in runs if r["id"] not in column])[f["offset"]:f["offset"] + RUNS_PER_PAGE + 1]
     queued = any(r["status"] == "queued" for r in runs)
-    notes = queue_notes(request.app.state.records.engine, request.app.state.concurrency) if queued else {}
+    notes = queue_notes(records.engine, request.app.state.concurrency) if queued else {}
     for r in runs:
         r["queue"] = notes.get(("run", r["id"]))  # what a queued run waits for
+        r["cols"] = [values[c].get(r["id"]) for c in chosen]
         r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
         r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
     # attributes, not dict keys: Jinja tries `r.name` as an attribute first, and a failed try per cell was a third
     # of the page's render time
     runs = [SimpleNamespace(**r) for r in runs]
     defaults = {"offset": f["offset"], "sort": "created", "order": "desc"}  # left out of the URLs
-    state = {k: v for k, v in f.items() if v and defaults.get(k) != v}
+    state = {k: v for k, v in f.items() if v and k != "cols_error" and defaults.get(k) != v}
     older = {**state, "offset": f["offset"] + RUNS_PER_PAGE} if len(runs) > RUNS_PER_PAGE else None
     newest = {k: v for k, v in state.items() if k != "before"}
     flip = lambda key: "asc" if f["sort"] == key and f["order"] == "desc" else "desc"  # noqa: E731
-    return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": RUN_COLUMNS,
-            "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)}) for key in RUN_COLUMNS},
+    return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": {**RUN_COLUMNS, **{c: c for c in chosen}},
+            "chosen": chosen, "active": ACTIVE,
+            "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)})
+                           for key in [*RUN_COLUMNS, *chosen]},
             "query": urlencode({**state, **({"offset": f["offset"]} if f["offset"] else {})}),
             "first_page": not f["offset"] and f["before"] is None, "newest": "/?" + urlencode(newest),
             "older": "/?" + urlencode(older) if older else None}

@@ -3,6 +3,7 @@ written as a worker writes them: spikes stay on the chart and inside the plot af
 queued; sections that collapse and stay so, constant metrics folded into one line, pinned and hidden charts, little
 layout shift; compare on a chosen metric with elapsed time as x, a summary table and a group of seeds as a band."""
 import math
+import re
 import time
 
 import pytest
@@ -220,6 +221,9 @@ def test_queued_runs_and_evaluations_show_their_place_in_line_and_what_holds_the
     page.goto(f"{web['base']}/")
     expect(page.locator(f"#runs-rows tr[data-run-id='{first}'] .queue")).to_have_text("1st in line")
     expect(page.locator(f"#runs-rows tr[data-run-id='{second}'] .queue")).to_have_text("2nd in line")
+    # no delete on a running run's row (stop it first); a queued one can go
+    expect(page.locator(f"#runs-rows tr[data-run-id='{holder['id']}'] button[data-action=delete]")).to_have_count(0)
+    expect(page.locator(f"#runs-rows tr[data-run-id='{first}'] button[data-action=delete]")).to_have_count(1)
     # the evaluations page: after the queued runs; it follows the evaluation's status without a reload
     page.goto(f"{web['base']}/evals")
     row = page.locator(f"#eval-{eval_id}")
@@ -279,3 +283,30 @@ def test_a_running_run_charts_its_worker_cpu_and_memory_in_the_system_section(tm
         assert 0.05 < rss["series"]["system/rss_gb"]["value"][-1] < 64  # a Python process with torch: some GB
         assert served.client.get(f"/api/v1/runs/{run['id']}").json()["status"] == "running"
         served.client.post(f"/api/v1/runs/{run['id']}/stop")
+
+
+def test_runs_table_columns_from_config_and_metrics_sort_and_stay_in_the_url(web, page):
+    t0 = time.time()
+    made = {}
+    for seed, best in [(11, 0.5), (12, 0.9), (13, 0.2)]:
+        run = new_run(web, name=f"col{seed}", config={**FAST, "seed": seed})
+        made[seed] = run["id"]
+        # the best pass rate is not the last one
+        write(web, run["id"], {"pass_rate": [(0, 0.1, t0), (1, best, t0 + 1), (2, 0.05, t0 + 2)]})
+        set_run(web, run["id"], status="completed", tags=["columns"])
+    page.goto(f"{web['base']}/?tag=columns&cols=seed,pass_rate.best,pass_rate.last&token={TOKEN}")
+    expect(page.locator("table.runs th", has_text="pass_rate.best")).to_be_visible()
+    page.locator("table.runs th a", has_text="pass_rate.best").click()
+    expect(page).to_have_url(re.compile(r"sort=pass_rate.best"))
+    assert "cols=seed%2Cpass_rate.best%2Cpass_rate.last" in page.url
+    rows = page.locator("#runs-rows tr")
+    expect(rows).to_have_count(3)
+    assert [int(r.get_attribute("data-run-id")) for r in rows.all()] == [made[12], made[11], made[13]]  # 0.9, 0.5, 0.2
+    first = rows.first.locator("td.col")
+    assert [first.nth(i).inner_text() for i in range(3)] == ["12", "0.9", "0.05"]
+    page.locator("table.runs th a", has_text="seed").click()  # a config key sorts too
+    expect(page).to_have_url(re.compile(r"sort=seed"))
+    assert [int(r.get_attribute("data-run-id")) for r in page.locator("#runs-rows tr").all()] == [made[13], made[12],
+                                                                                                 made[11]]
+    page.goto(f"{web['base']}/?cols=seed;drop")
+    expect(page.locator("#cols-error")).to_contain_text("column 'seed;drop'")
