@@ -5,6 +5,7 @@ layout shift; compare on a chosen metric with elapsed time as x, a summary table
 import math
 import re
 import time
+from html import unescape
 
 import pytest
 from playwright.sync_api import expect
@@ -44,12 +45,13 @@ def open_run(page, web, run_id: int, points: int, chart: str = "policy_loss"):
 
 @pytest.fixture(scope="module")
 def spiky(web):
-    """A finished run: a noisy loss with one spike of 1000 at step 50, and a learning rate that never changed."""
+    """A finished run: a noisy loss with one spike of 1000 at step 50, a learning rate that never changed, one eval."""
     run = new_run(web, name="spiky")
     t0 = time.time() - 600
     loss = [(s, 1000.0 if s == 50 else 1 + 0.1 * math.sin(s), t0 + s) for s in range(100)]
     write(web, run["id"], {"policy_loss": loss, "lr": [(s, 1e-3, t0 + s) for s in range(100)],
-                           "reward_mean": [(s, s / 100, t0 + s) for s in range(100)]})
+                           "reward_mean": [(s, s / 100, t0 + s) for s in range(100)],
+                           "eval_reward": [(20, 0.3, t0 + 20)]})  # one eval so far
     set_run(web, run["id"], attempts=[(t0, t0 + 100)], status="completed", step=100, total_steps=100,
             started_at=t0, finished_at=t0 + 100)
     return run["id"]
@@ -82,6 +84,9 @@ def test_a_spike_is_inside_the_y_range_and_the_plot_before_and_after_a_zoom(web,
     # zoomed away from the spike: the range fits that window's points
     page.evaluate("document.getElementById('chart-policy_loss').plot.setScale('x', {min: 0, max: 30})")
     assert plot(page, "policy_loss", "u.scales.y.max") < 5
+    # one eval point: its chart spans the run's steps, not a degenerate range around the point
+    expect(page.locator("#chart-eval_reward")).to_have_attribute("data-points", "1")
+    assert plot(page, "eval_reward", "[u.scales.x.min, u.scales.x.max]") == [0, 100]
 
 
 def test_sections_collapse_and_stay_collapsed_constants_fold_charts_pin_and_hide(web, spiky, page):
@@ -310,3 +315,69 @@ def test_runs_table_columns_from_config_and_metrics_sort_and_stay_in_the_url(web
                                                                                                  made[11]]
     page.goto(f"{web['base']}/?cols=seed;drop")
     expect(page.locator("#cols-error")).to_contain_text("column 'seed;drop'")
+
+
+def add_sample(web, run_id: int, step: int, kind: str = "train"):
+    from daemon.models import Sample
+    tokens = {"id": [1, 2, 3], "text": ["q", "a", "b"], "action": [0, 1, 1], "logprob": [None, -0.01, -2.0],
+              "trainer_logprob": [None, -0.02, -1.9], "version": [0, step, step], "entropy": [None, 0.1, 1.5]}
+    with Session(web["records"].engine) as s:
+        s.add(Sample(run_id=run_id, step=step, kind=kind, position=0, group_id=0, seed=1, version=step, reward=1.0,
+                     advantage=0.5, success=True, turns=1, tool_calls=0, tool_errors=0, prompt="q", text="qab",
+                     tokens=tokens))
+        s.commit()
+
+
+def test_the_samples_view_follows_a_training_run_and_dark_colours_stay_dark(web, page):
+    run = new_run(web, name="sampling")
+    set_run(web, run["id"], status="running", started_at=time.time())
+    add_sample(web, run["id"], 1)
+    page.goto(f"{web['base']}/?token={TOKEN}")
+    page.evaluate("localStorage.setItem('molt-theme', 'dark')")
+    page.goto(f"{web['base']}/runs/{run['id']}/samples?color=logprob")
+    expect(page.locator("article.episode")).to_have_count(1)
+    add_sample(web, run["id"], 2)  # the next step's samples: they appear without a reload
+    expect(page.locator("article.episode[data-step='2']")).to_have_count(1, timeout=15_000)
+    expect(page.locator("#sample-filters select[name=step] option[value='2']")).to_have_count(1)
+    # dark theme: a confident token (p = 0.99) on a dark colour under light text, not a white patch
+    backgrounds = page.evaluate("""[...document.querySelectorAll('article.episode[data-step="2"] [data-value]')]
+        .filter((s) => s.dataset.value !== '').map((s) => [getComputedStyle(s).backgroundColor, getComputedStyle(s).color])""")
+    assert backgrounds
+    for background, color in backgrounds:
+        bg = [int(x) for x in re.findall(r"\d+", background)[:3]]
+        fg = [int(x) for x in re.findall(r"\d+", color)[:3]]
+        assert max(bg) < 180 and min(fg) > 200, (background, color)
+    page.evaluate("localStorage.removeItem('molt-theme')")
+    set_run(web, run["id"], status="completed")
+
+
+def test_launch_form_shows_a_cross_field_error_under_its_field_with_the_others_and_did_you_mean_for_an_env(web):
+    from app_support import logged_in
+    browser, csrf = logged_in(web)
+    form = {"csrf_token": csrf, "env": "max_digit", "preset": "tiny-dense", "steps": "-5", "group_size": "1"}
+    html = unescape(browser.post("/runs/new", data=form).text)
+    # the group size check spans fields (it needs the estimator): shown under group size, in the same answer as the
+    # steps error that used to hide it
+    group = re.findall(r'data-field="group_size">([^<]*)<', html)
+    assert group and "group_size must be >= 2" in group[0], html[:2000]
+    assert re.findall(r'data-field="steps">([^<]*)<', html)
+    assert re.search(r'name="group_size"[^>]*placeholder="default \d+"', html)  # a default reads as one
+    html = browser.post("/runs/new", data={**form, "steps": "", "group_size": "",
+                                           "advanced": '{"env": "max_digt"}'}).text
+    assert "did you mean `max_digit`?" in html
+    browser.close()
+
+
+def test_on_a_phone_the_runs_table_keeps_progress_reward_and_best_eval_in_view(web, page):
+    run = new_run(web, name="phone")
+    set_run(web, run["id"], status="completed", step=30, total_steps=30, reward=0.75)
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(f"{web['base']}/?token={TOKEN}")
+    row = page.locator(f"#runs-rows tr[data-run-id='{run['id']}']")
+    headers = [h.strip() for h in page.locator("table.runs thead th").all_inner_texts()]
+    for title in ("progress", "reward", "best eval"):
+        cell = row.locator("td").nth(next(i for i, h in enumerate(headers) if h.startswith(title)))
+        box = cell.bounding_box()
+        assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, (title, box)
+    expect(row.locator("td.progress")).to_contain_text("30/30")
+    assert page.locator("nav.top").bounding_box()["height"] < 80  # two lines at most

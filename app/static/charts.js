@@ -237,8 +237,10 @@ Object.assign(Molt, (() => {
       const extras = this.raws.map((raw, i) => [raw, ...(this.bands[i] || [])]);
       const range = (scale) => (u, min, max) => fitRange(u, min, max, scale, this.extras, log);
       const y2 = lines.some((l) => l.scale === "y2");
+      // one point (a first eval) alone would sit in a degenerate x-range: the chart spans the run's steps instead
+      const single = view.x === "step" && view.steps > 0 && lines.every((l) => l.series.step.length === 1);
       const shape = JSON.stringify([series.map((s) => [s.label, s.smooth, s.points?.show]), view.x, log, y2,
-                                    this.bands.map((b) => !!b)]);
+                                    this.bands.map((b) => !!b), single && view.steps]);
       this.markers = markers; this.hlines = hlines;
       this.extras = extras;  // the range functions read the newest through this
       if (this.plot && shape === this.shape) { this.plot.setData(data); return; }
@@ -250,7 +252,7 @@ Object.assign(Molt, (() => {
                     ticks: {stroke: cssVar("--grid")}};  // the palette's own colours (light and dark)
       this.plot = new uPlot({
         width, height: 220, series,
-        scales: {x: {time: view.x === "time"}, y: {distr, range: range("y")}, ...(y2 ? {y2: {distr, range: range("y2")}} : {})},
+        scales: {x: {time: view.x === "time", ...(single ? {range: () => [0, view.steps]} : {})}, y: {distr, range: range("y")}, ...(y2 ? {y2: {distr, range: range("y2")}} : {})},
         axes: [{...axis, size: 50, values: view.x === "time" ? undefined : tickLabels, label: X_TITLES[view.x]},
                {...axis, label: fitTitle(this.yTitle)},
                ...(y2 ? [{...axis, scale: "y2", side: 1, grid: {show: false}, label: fitTitle(this.y2Title)}] : [])],

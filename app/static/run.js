@@ -39,6 +39,7 @@ Object.assign(Molt, (() => {
     // marked on that axis
     const clock = () => (page.attempts.length ? activeClock(page.attempts) : (t) => (t - (page.started_at ?? t)) / 60);
     view.elapsed = clock();
+    view.steps = Number(document.getElementById("run-step").textContent);  // a one-point chart spans these
 
     // a chart per recorded name (chartSpec), made when the name's first data arrives, kept in name order
     function ensureChart(name) {
@@ -68,7 +69,7 @@ Object.assign(Molt, (() => {
     const hasData = (name) => store[name] && store[name].step.length &&
       (!ONLY_NONZERO.test(name) || store[name].value.some((v) => v !== 0));
     // a metric that never changed (3 points or more, one value): listed with its value instead of a flat chart (the
-    // reward section's always charted: a flat reward is the run's outcome)
+    // reward and eval suite sections are always charted: a flat reward is the run's outcome)
     const constant = (s) => s.step.length >= 3 && s.value.every((v) => Object.is(v, s.value[0]));
 
     function draw() {
@@ -92,7 +93,7 @@ Object.assign(Molt, (() => {
           continue;
         }
         if (hidden.has(id)) { chart.root.hidden = true; hiddenShown.push(id); continue; }
-        if (drawn.length && section !== "reward" && !pinned.has(id) && !unfolded.has(id) &&
+        if (drawn.length && !["reward", "suites"].includes(section) && !pinned.has(id) && !unfolded.has(id) &&
             drawn.every((l) => constant(store[l.name]))) {
           chart.root.hidden = true; chart.root.dataset.points = String(store[drawn[0].name].step.length);
           constants.push([id, drawn.map((l) => `${l.name} = ${fmt(store[l.name].value[0])}`).join(", ")]);
@@ -176,7 +177,7 @@ Object.assign(Molt, (() => {
     function showRun(run) {
       const el = (id) => document.getElementById(id);
       el("run-status").textContent = run.status; el("run-status").className = `status ${run.status}`;
-      el("run-step").textContent = run.step; el("run-progress").value = run.step;
+      el("run-step").textContent = run.step; el("run-progress").value = run.step; view.steps = run.step;
       el("run-version").textContent = run.version; el("run-restarts").textContent = run.restarts;
       el("run-alerts").textContent = run.alerts_open; el("run-alerts").className = run.alerts_open ? "badge" : "";
       el("run-error").hidden = !run.last_error; el("run-error").textContent = run.last_error || "";
