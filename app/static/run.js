@@ -154,9 +154,11 @@ Object.assign(Molt, (() => {
       const elapsed = document.getElementById("ov-elapsed"), eta = document.getElementById("ov-eta");
       if (!elapsed) return;
       const running = page.status === "running";
-      const secs = page.attempts.reduce((sum, [start, end]) =>
-        sum + Math.max(0, (end ?? (running ? Date.now() / 1000 : page.finished_at ?? start)) - start), 0);
-      elapsed.textContent = page.attempts.length ? duration(secs) : "—";
+      const now = Date.now() / 1000;  // a run with no attempt of its own (reported from elsewhere): start to end
+      const secs = page.attempts.length ? page.attempts.reduce((sum, [start, end]) =>
+        sum + Math.max(0, (end ?? (running ? now : page.finished_at ?? start)) - start), 0)
+        : page.started_at ? (page.finished_at ?? now) - page.started_at : null;
+      elapsed.textContent = secs == null ? "—" : duration(secs);
       const step = Number(document.getElementById("run-step").textContent), total = page.total_steps;
       const WORDS = {completed: "done", queued: "queued", stopped: "stopped", tripped: "tripped", failed: "failed"};
       eta.textContent = WORDS[page.status] ?? (running && step > 0 && step < total ? duration(secs / step * (total - step)) : "—");
