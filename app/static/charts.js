@@ -252,7 +252,8 @@ Object.assign(Molt, (() => {
                     ticks: {stroke: cssVar("--grid")}};  // the palette's own colours (light and dark)
       this.plot = new uPlot({
         width, height: 220, series,
-        scales: {x: {time: view.x === "time", ...(single ? {range: () => [0, view.steps]} : {})}, y: {distr, range: range("y")}, ...(y2 ? {y2: {distr, range: range("y2")}} : {})},
+        scales: {x: {time: view.x === "time", ...(single ? {range: () => [0, view.steps]} : {})},
+                 y: {distr, range: range("y")}, ...(y2 ? {y2: {distr, range: range("y2")}} : {})},
         axes: [{...axis, size: 50, values: view.x === "time" ? undefined : tickLabels, label: X_TITLES[view.x]},
                {...axis, label: fitTitle(this.yTitle)},
                ...(y2 ? [{...axis, scale: "y2", side: 1, grid: {show: false}, label: fitTitle(this.y2Title)}] : [])],
@@ -273,7 +274,8 @@ Object.assign(Molt, (() => {
         if (si === 0 || !s.show || !band) return;
         const pts = [];
         band[0].forEach((lo, i) => {
-          if (lo != null && band[1][i] != null) pts.push([u.valToPos(u.data[0][i], "x", true), u.valToPos(lo, s.scale, true), u.valToPos(band[1][i], s.scale, true)]);
+          if (lo == null || band[1][i] == null) return;
+          pts.push([u.valToPos(u.data[0][i], "x", true), u.valToPos(lo, s.scale, true), u.valToPos(band[1][i], s.scale, true)]);
         });
         if (!pts.length) return;
         ctx.fillStyle = alpha(this.colors[si - 1], 0.18);

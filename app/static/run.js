@@ -1,7 +1,8 @@
 // The run page: a live chart per recorded metric (over the run's websocket) in collapsible sections, the overview strip.
 "use strict";
 Object.assign(Molt, (() => {
-  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, Series, bindView, fmt, Chart, activeClock, duration, throttled, toast} = Molt;
+  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, Series, bindView, fmt, Chart, activeClock, duration,
+         throttled, toast} = Molt;
   // ---- the run page ----------------------------------------------------------------------------------------------
   function runPage(page) {
     const store = {};           // name -> Series
@@ -55,7 +56,10 @@ Object.assign(Molt, (() => {
         <button type="button" class="small" data-act="hide">hide</button>`);
       head.addEventListener("click", (e) => {
         const act = e.target.dataset?.act;
-        if (act === "pin") { if (pinned.has(spec.id)) pinned.delete(spec.id); else pinned.add(spec.id); save("molt-pinned-charts", pinned); }
+        if (act === "pin") {
+          if (pinned.has(spec.id)) pinned.delete(spec.id); else pinned.add(spec.id);
+          save("molt-pinned-charts", pinned);
+        }
         if (act === "hide") { hidden.add(spec.id); save("molt-hidden-charts", hidden); }
         if (act) draw();
       });
@@ -133,7 +137,8 @@ Object.assign(Molt, (() => {
       folded.replaceChildren();
       for (const [title, items, click] of [
         ["constant", constants, ([id]) => { unfolded.add(id); draw(); }],
-        ["hidden", hiddenShown.map((id) => [id, id]), ([id]) => { hidden.delete(id); save("molt-hidden-charts", hidden); draw(); }]]) {
+        ["hidden", hiddenShown.map((id) => [id, id]),
+         ([id]) => { hidden.delete(id); save("molt-hidden-charts", hidden); draw(); }]]) {
         if (!items.length) continue;
         const p = document.createElement("p");
         p.className = `folded-${title}`; p.append(`${title}: `);
@@ -161,7 +166,8 @@ Object.assign(Molt, (() => {
       elapsed.textContent = secs == null ? "—" : duration(secs);
       const step = Number(document.getElementById("run-step").textContent), total = page.total_steps;
       const WORDS = {completed: "done", queued: "queued", stopped: "stopped", tripped: "tripped", failed: "failed"};
-      eta.textContent = WORDS[page.status] ?? (running && step > 0 && step < total ? duration(secs / step * (total - step)) : "—");
+      eta.textContent = WORDS[page.status] ??
+        (running && step > 0 && step < total ? duration(secs / step * (total - step)) : "—");
       const evals = store[page.best ?? "eval_reward"];  // the best eval so far (of eval.best) and its step
       if (evals && evals.step.length) {
         let best = -1;
