@@ -51,7 +51,8 @@ def spiky(web):
     loss = [(s, 1000.0 if s == 50 else 1 + 0.1 * math.sin(s), t0 + s) for s in range(100)]
     write(web, run["id"], {"policy_loss": loss, "lr": [(s, 1e-3, t0 + s) for s in range(100)],
                            "reward_mean": [(s, s / 100, t0 + s) for s in range(100)],
-                           "eval_reward": [(20, 0.3, t0 + 20)]})  # one eval so far
+                           "eval_reward": [(20, 0.3, t0 + 20)],  # one eval so far
+                           "sampler_idle_ratio": [(s, (s % 7) / 7, t0 + s) for s in range(100)]})
     set_run(web, run["id"], attempts=[(t0, t0 + 100)], status="completed", step=100, total_steps=100,
             started_at=t0, finished_at=t0 + 100)
     return run["id"]
@@ -84,6 +85,14 @@ def test_a_spike_is_inside_the_y_range_and_the_plot_before_and_after_a_zoom(web,
     # zoomed away from the spike: the range fits that window's points
     page.evaluate("document.getElementById('chart-policy_loss').plot.setScale('x', {min: 0, max: 30})")
     assert plot(page, "policy_loss", "u.scales.y.max") < 5
+    # an axis title too long for the plot's height is its unit (the chart's heading names the metric); the y-axis
+    # is as wide as its longest tick label needs, beside the title
+    assert plot(page, "sampler_idle_ratio", "u.axes[1].label") == "fraction"
+    assert plot(page, "policy_loss", "u.axes[1].label") == "policy_loss"
+    widths = plot(page, "policy_loss", """(() => { const ctx = u.ctx; ctx.font = u.axes[1].font[0];
+        return [Math.max(...u.axes[1]._values.map((v) => ctx.measureText(v).width)) / devicePixelRatio,
+                u.axes[1]._size - u.axes[1].gap - u.axes[1].ticks.size]; })()""")  # the title has its own labelSize
+    assert widths[0] <= widths[1], widths
     # one eval point: its chart spans the run's steps, not a degenerate range around the point
     expect(page.locator("#chart-eval_reward")).to_have_attribute("data-points", "1")
     assert plot(page, "eval_reward", "[u.scales.x.min, u.scales.x.max]") == [0, 100]
