@@ -252,7 +252,9 @@ def run_page(request: Request, run_id: int):
 def queue_note(request: Request, run: dict) -> str | None:
     if run["status"] != "queued" or run["host"]:
         return None
-    return queue_notes(request.app.state.records.engine, request.app.state.concurrency).get(("run", run["id"]))
+    note = queue_notes(request.app.state.records.engine, request.app.state.concurrency).get(("run", run["id"]))
+    gpus = (run["config"].get("resources") or {}).get("gpus")
+    return f"{note}; asks for {gpus} GPU{'s' if gpus != 1 else ''}" if note and gpus else note
 
 
 @router.get("/runs/{run_id}/samples")

@@ -8,7 +8,7 @@ import time
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from .models import Run
+from .models import Attempt, Run
 
 EVERY_S = 2.0
 
@@ -50,10 +50,13 @@ class SystemSampler(threading.Thread):
     """Samples until stopped, each sample at the run's latest recorded step (a later sample at that step replaces
     the earlier one, as a metric row is unique per step)."""
 
-    def __init__(self, engine: Engine, run_id: int, sink, every: float = EVERY_S):
+    def __init__(self, engine: Engine, run_id: int, attempt_id: int, sink, every: float = EVERY_S):
         super().__init__(name=f"molt-system-{run_id}", daemon=True)
         self.engine, self.sink, self.every = engine, sink, every
-        self.step = select(Run.step).where(Run.id == run_id)
+        # only once this attempt's own first step is recorded: the sink takes an attempt's first metrics step as the
+        # step it resumed from, which a sample at the previous attempt's last step would falsify
+        self.step = (select(Run.step).join(Attempt, Attempt.run_id == Run.id)
+                     .where(Run.id == run_id, Attempt.id == attempt_id, Attempt.start_step.is_not(None)))
         self.stopped = threading.Event()
 
     def run(self):
@@ -64,8 +67,9 @@ class SystemSampler(threading.Thread):
             try:
                 values, last = sample(handles, last)
                 with self.engine.connect() as c:
-                    step = c.scalar(self.step) or 0
-                self.sink.metrics(step, values)
+                    step = c.scalar(self.step)
+                if step is not None:
+                    self.sink.metrics(step, values)
             except Exception as e:  # a sample is worth less than the run: say so once a minute at most, go on
                 print(f"molt worker: system metrics: {type(e).__name__}: {e}", flush=True)
                 self.stopped.wait(60)

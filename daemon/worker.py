@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                       keep_samples=config.get("record", {}).get("keep_steps"),
                       full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
     summary, values, code = None, {}, 0
-    sampler = SystemSampler(engine, args.run_id, sink) if isinstance(sink, DbSink) else None  # CPU, memory, GPUs
+    sampler = SystemSampler(engine, args.run_id, args.attempt, sink) if isinstance(sink, DbSink) else None
     if sampler:
         sampler.start()
     try:
