@@ -129,8 +129,8 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(reward.locator(".u-legend .u-series").first.locator(".u-label")).to_have_text("step")
     expect(reward.locator(".u-legend .u-series")).to_have_count(2)
     assert plot(page, "reward_mean", "[u.axes[0].label, u.axes[1].label]") == ["step", "reward_mean"]
-    assert plot(page, "samples_per_s", "[u.axes[1].label, u.axes[2].label]") == [
-        "samples_per_s (samples/s)", "tokens_per_s (tokens/s)"]
+    # a title longer than the plot is high is its unit alone (the chart's heading names the metrics)
+    assert plot(page, "samples_per_s", "[u.axes[1].label, u.axes[2].label]") == ["samples/s", "tokens/s"]
     assert plot(page, "rss_gb", "u.axes[1].label") == "rss_gb (GB)"
 
     # hover: values, raw with smoothed, no "--"; the other charts' cursors follow (uPlot cursor sync)

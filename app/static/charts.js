@@ -152,7 +152,11 @@ Object.assign(Molt, (() => {
 
   // An axis title that fits along a 220 px plot: the unit alone when name and unit are too long (the name is the
   // chart's heading); tick labels get the room their longest label needs, so that they never run into the title.
-  const fitTitle = (title) => (title.length <= 28 ? title : title.match(/\(([^)]+)\)$/)?.[1] || `${title.slice(0, 26)}…`);
+  const measure = document.createElement("canvas").getContext("2d");
+  measure.font = "bold 12px system-ui, sans-serif";  // uPlot's axis label font
+  const PLOT_HEIGHT = 150;  // of a 220 px chart, less the x-axis and padding: what a y-axis title may span
+  const fitTitle = (title) => (measure.measureText(title).width <= PLOT_HEIGHT ? title
+    : title.match(/\(([^)]+)\)$/)?.[1] || `${title.slice(0, 20)}…`);
   const axisSize = (u, values) => (values ? 18 + 7 * Math.max(2, ...values.map((v) => String(v).length)) : 40);
 
   const fmt = (v) => (v == null ? "" : Number.isFinite(v) ? String(+v.toPrecision(4)) : String(v));
