@@ -4,6 +4,7 @@ import csv
 import io
 import math
 from typing import Annotated
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Form, HTTPException, Query, Request
 from fastapi.responses import RedirectResponse, Response
@@ -51,7 +52,8 @@ def eval_samples_page(request: Request, eval_id: int):
     if e is None:
         raise HTTPException(404, f"no evaluation {eval_id}")
     if e["run_id"]:
-        return RedirectResponse(f"/runs/{e['run_id']}/samples?kind=evaluation&step={eval_id}", status_code=303)
+        query = urlencode({**request.query_params, "kind": "evaluation", "step": eval_id})  # the colouring too
+        return RedirectResponse(f"/runs/{e['run_id']}/samples?{query}", status_code=303)
     c = e["config"]
     source = f"{c['model'].get('path') or c['model'].get('preset')} on {c['env']}"
     return render(request, "samples.html", run={"id": eval_id, "name": source, "status": e["status"]}, evaluation=e,

@@ -211,16 +211,30 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     except ValueError:
         errors.setdefault("max_restarts", []).append("must be a whole number")
     # Checked even when a field could not be read (it keeps its default here): every error shows in one pass
+    # pydantic checks across fields (group_size >= 2 with a group estimator) only once every field is valid: each
+    # pass drops the keys that failed, so that those checks' errors show in the same answer
     checked = None
-    try:
-        checked = RunRequest.model_validate(wanted)
-    except ValidationError as e:
-        for err in e.errors():
-            loc = err["loc"]
-            where = ".".join(map(str, loc[1:] if loc[:1] == ("config",) and len(loc) > 1 else loc))
-            hint = did_you_mean(where) if err["type"] == "extra_forbidden" and loc[:1] == ("config",) else ""
-            errors.setdefault(form_field(loc, extra), []).append(
-                f"{where}: {err['msg'].removeprefix('Value error, ')}{hint}")
+    for _ in range(3):
+        try:
+            checked = RunRequest.model_validate(wanted)
+            break
+        except ValidationError as e:
+            dropped = False
+            for err in e.errors():
+                loc = err["loc"]
+                where = ".".join(map(str, loc[1:] if loc[:1] == ("config",) and len(loc) > 1 else loc))
+                msg = err["msg"].removeprefix("Value error, ")
+                hint = did_you_mean(where) if err["type"] == "extra_forbidden" and loc[:1] == ("config",) else ""
+                if loc == ("config", "env") and isinstance(config.get("env"), str):
+                    close = difflib.get_close_matches(config["env"], list(ENVS), n=1, cutoff=0.6)
+                    hint = f"; did you mean `{close[0]}`?" if close else ""
+                text = f"{msg}{hint}" if where == "config" else f"{where}: {msg}{hint}"
+                field = form_field(loc, extra, msg)
+                if text not in errors.get(field, []):
+                    errors.setdefault(field, []).append(text)
+                dropped |= drop(wanted, loc)
+            if not dropped:
+                break
     run = None if errors else request.app.state.records.queue_run(checked)
     if run is not None:
         target = f"/runs/{run['id']}"
@@ -234,12 +248,29 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     return render(request, "launch.html", status_code=422, **context)
 
 
-def form_field(loc: tuple, extra: dict) -> str:
+def drop(wanted: dict, loc: tuple) -> bool:
+    """Remove the key an error is about (its default then applies), to check the rest again; False if none."""
+    node = wanted
+    for key in loc[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    if len(loc) < 2 or not isinstance(node, dict) or loc[-1] not in node:
+        return False
+    del node[loc[-1]]
+    return True
+
+
+def form_field(loc: tuple, extra: dict, msg: str = "") -> str:
     """Which input of the launch form a RunRequest error belongs to: "advanced" for config keys that the advanced
-    JSON set (it overrides the fields) or that have no input of their own."""
+    JSON set (it overrides the fields) or that have no input of their own; a check across fields goes to the
+    first field its message names (e.g. "loop.group_size must be >= 2 ...": group size)."""
     if loc[:1] != ("config",):
         return str(loc[0])
     path = tuple(str(p) for p in loc[1:])
+    if not path:
+        named = [(field, p) for field, p, _, _ in FORM_FIELDS if ".".join(p) in msg]
+        if not named:
+            return "advanced"
+        path = named[0][1]  # as that key's own error would go: under advanced if the JSON set it
     node = extra
     for key in path:
         if not isinstance(node, dict) or key not in node:

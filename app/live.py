@@ -21,7 +21,7 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.engine import Engine
 
 from daemon.db import DAEMON_HANG_S
-from daemon.models import Alert, Event, Metric, Run
+from daemon.models import Alert, Attempt, Event, Metric, Run
 
 from .series import NONFINITE_NAMES, REPLAY_EVENTS, metric_names
 
@@ -46,6 +46,9 @@ OPEN_ALERTS = (select(Alert.run_id, func.count()).where(~Alert.acknowledged,
                .group_by(Alert.run_id))
 RUNS = select(Run.id, Run.name, Run.status, Run.step, Run.total_steps, Run.version, Run.reward, Run.restarts, Run.pid,
               Run.last_error, Run.started_at, Run.finished_at).where(Run.id.in_(bindparam("runs", expanding=True)))
+# each attempt's [start, end] (end None while it runs): the page counts training time from these, not the queued time
+ATTEMPTS = (select(Attempt.run_id, Attempt.started_at, Attempt.ended_at)
+            .where(Attempt.run_id.in_(bindparam("runs", expanding=True))).order_by(Attempt.number))
 LAST_REWARD_STEP = select(func.max(Metric.step)).where(Metric.run_id == bindparam("run_id"),
                                                        Metric.name == "reward_mean")
 REPLAYED = select(*METRIC_FIELDS).where(Metric.run_id == bindparam("run_id"), Metric.name == bindparam("name"),
@@ -207,8 +210,12 @@ class Hub:
             runs = {}
             if watched:
                 open_alerts = dict(c.execute(OPEN_ALERTS, {"runs": list(watched)}).all())
+                attempts: dict[int, list] = {}
+                for run_id, started, ended in c.execute(ATTEMPTS, {"runs": list(watched)}):
+                    attempts.setdefault(run_id, []).append([started, ended])
                 for row in c.execute(RUNS, {"runs": list(watched)}).mappings():
-                    runs[row["id"]] = {**row, "alerts_open": open_alerts.get(row["id"], 0)}
+                    runs[row["id"]] = {**row, "alerts_open": open_alerts.get(row["id"], 0),
+                                       "attempts": attempts.get(row["id"], [])}
         return {"metrics": metrics + replayed, "newest_metric": newest, "alerts": alerts, "events": events,
                 "runs": runs}
 

@@ -28,9 +28,11 @@ log = logging.getLogger("molt.app")
 
 
 def create_app(home: str | Path | None = None, token: str | None = None, *, webhook_url: str | None = None,
-               public_url: str | None = None, poll: float | None = None, metrics_public: bool = False) -> FastAPI:
+               public_url: str | None = None, poll: float | None = None, metrics_public: bool = False,
+               concurrency: int | None = None) -> FastAPI:
     """The app over the data directory `home` (migrated on start). `token`: default $MOLT_TOKEN, else the one
-    saved in the data directory (created on first start). `metrics_public`: /metrics without the token."""
+    saved in the data directory (created on first start). `metrics_public`: /metrics without the token.
+    `concurrency`: the daemon's, as `molt serve` started it (the pages show it beside a queued run)."""
     records = Records(home)
     token = token or load_or_create_token(records.home)
     hub = Hub(records.engine, records.home, records.daemon_status, webhook_url=webhook_url, public_url=public_url,
@@ -59,6 +61,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app.state.series = SeriesCache(records.engine)
     app.state.webhook_url = webhook_url
     app.state.metrics_public = metrics_public
+    app.state.concurrency = concurrency
     app.state.prometheus = CollectorRegistry(auto_describe=False)
     app.state.prometheus.register(prometheus.RecordsCollector(records))
 

@@ -14,16 +14,22 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Form, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from sqlalchemy import bindparam, select
 from markupsafe import escape
 
+from daemon.evals import list_evals
 from daemon.records import Conflict, RunNotFound
-from daemon.models import ACTIVE, STATUSES, TERMINAL
+from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
+from .queue import queue_notes
+from .run_columns import column_values, parse_columns
+from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
 TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
+TEMPLATES.env.globals["queue_notes"] = queue_notes  # the evaluations page shows each waiting one's place in line
 router = APIRouter(include_in_schema=False)
 RUNS_PER_PAGE = 100
 
@@ -116,33 +122,54 @@ RUN_COLUMNS = {"created": "created", "status": "status", "env": "env", "model": 
 
 def run_filters(status: str | None = None, env: str | None = None, tag: str | None = None, q: str | None = None,
                 sort: str = "created", order: str = "desc", archived: bool = False, offset: int = 0,
-                before: int | None = None) -> dict:
-    """The runs list's state, all in the URL query so that a reload or a shared link shows the same list."""
+                before: int | None = None, cols: str | None = None) -> dict:
+    """The runs list's state, all in the URL query so that a reload or a shared link shows the same list. `cols`:
+    the chosen columns (run_columns.py), which sort too."""
+    chosen, cols_error = parse_columns(cols)
     return {"status": status if status in STATUSES else None, "env": env, "tag": tag, "q": q,
-            "sort": sort if sort in RUN_COLUMNS else "created", "order": "asc" if order == "asc" else "desc",
-            "archived": archived, "offset": max(0, offset), "before": before}
+            "sort": sort if sort in RUN_COLUMNS or sort in chosen else "created",
+            "order": "asc" if order == "asc" else "desc", "archived": archived, "offset": max(0, offset),
+            "before": before, "cols": ",".join(chosen) or None, "cols_error": cols_error}
 
 
 def list_context(request: Request, f: dict) -> dict:
     """One page of runs (newest first unless sorted); `before` (a run id) starts after the runs newer than it. Each
-    row gets an etag of what it shows, so that the page swaps only the rows that changed (runs.js)."""
-    runs = request.app.state.records.list_runs(
+    row gets an etag of what it shows, so that the page swaps only the rows that changed (runs.js). Sorted by a
+    chosen column, every matching run is read (without its config) and sorted here, then paged."""
+    records = request.app.state.records
+    chosen = f["cols"].split(",") if f["cols"] else []
+    by_column = f["sort"] in chosen
+    runs = records.list_runs(
         status=f["status"], tag=f["tag"] or None, env=f["env"] or None, q=f["q"] or None,
-        archived=None if f["archived"] else False, sort=f["sort"], descending=f["order"] == "desc",
-        limit=RUNS_PER_PAGE + 1, offset=f["offset"] or None, before=f["before"], config=False)
+        archived=None if f["archived"] else False, sort="created" if by_column else f["sort"],
+        descending=f["order"] == "desc", limit=None if by_column else RUNS_PER_PAGE + 1,
+        offset=None if by_column else f["offset"] or None, before=f["before"], config=False)
+    values = column_values(records.engine, chosen, [r["id"] for r in runs]) if chosen else {}
+    if by_column:  # runs without a value last, whichever the order
+        column = values[f["sort"]]
+        order = lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))  # noqa: E731 numbers, then text
+        have = sorted((r for r in runs if r["id"] in column), key=lambda r: order(column[r["id"]]),
+                      reverse=f["order"] == "desc")
+        runs = (have + [r for r in runs if r["id"] not in column])[f["offset"]:f["offset"] + RUNS_PER_PAGE + 1]
+    queued = any(r["status"] == "queued" for r in runs)
+    notes = queue_notes(records.engine, request.app.state.concurrency) if queued else {}
     for r in runs:
+        r["queue"] = notes.get(("run", r["id"]))  # what a queued run waits for
+        r["cols"] = [values[c].get(r["id"]) for c in chosen]
         r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
         r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
     # attributes, not dict keys: Jinja tries `r.name` as an attribute first, and a failed try per cell was a third
     # of the page's render time
     runs = [SimpleNamespace(**r) for r in runs]
     defaults = {"offset": f["offset"], "sort": "created", "order": "desc"}  # left out of the URLs
-    state = {k: v for k, v in f.items() if v and defaults.get(k) != v}
+    state = {k: v for k, v in f.items() if v and k != "cols_error" and defaults.get(k) != v}
     older = {**state, "offset": f["offset"] + RUNS_PER_PAGE} if len(runs) > RUNS_PER_PAGE else None
     newest = {k: v for k, v in state.items() if k != "before"}
     flip = lambda key: "asc" if f["sort"] == key and f["order"] == "desc" else "desc"  # noqa: E731
-    return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": RUN_COLUMNS,
-            "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)}) for key in RUN_COLUMNS},
+    return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": {**RUN_COLUMNS, **{c: c for c in chosen}},
+            "chosen": chosen, "active": ACTIVE,
+            "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)})
+                           for key in [*RUN_COLUMNS, *chosen]},
             "query": urlencode({**state, **({"offset": f["offset"]} if f["offset"] else {})}),
             "first_page": not f["offset"] and f["before"] is None, "newest": "/?" + urlencode(newest),
             "older": "/?" + urlencode(older) if older else None}
@@ -215,10 +242,22 @@ def run_page(request: Request, run_id: int):
                 "trackers": trackers,
                 "paths": [(kind, out / kind) for kind in ("final", "best") if (out / kind).exists()]}
     return render(request, "run.html", run=run, active=ACTIVE, terminal=TERMINAL, overview=overview,
+                  note=queue_note(request, run),
+                  alerts=request.app.state.records.alerts(run_id)[::-1],
+                  events=request.app.state.records.events(run_id)[-5:][::-1],
                   page={"run_id": run_id, "max_staleness": config["loop"]["max_staleness"],
-                        "started_at": run["started_at"], "finished_at": run["finished_at"],
+                        "started_at": run["started_at"], "finished_at": run["finished_at"], "status": run["status"],
+                        "attempts": [[a["started_at"], a["ended_at"]] for a in request.app.state.records.attempts(run_id)],
                         "total_steps": run["total_steps"],
                         "best": config.get("eval", {}).get("best", "eval_reward")})  # the metric OUT/best follows
+
+
+def queue_note(request: Request, run: dict) -> str | None:
+    if run["status"] != "queued" or run["host"]:
+        return None
+    note = queue_notes(request.app.state.records.engine, request.app.state.concurrency).get(("run", run["id"]))
+    gpus = (run["config"].get("resources") or {}).get("gpus")
+    return f"{note}; asks for {gpus} GPU{'s' if gpus != 1 else ''}" if note and gpus else note
 
 
 @router.get("/runs/{run_id}/samples")
@@ -226,7 +265,13 @@ def run_page(request: Request, run_id: int):
 def samples_page(request: Request, run_id: int):
     """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
     run = get_run_or_404(request, run_id)
-    return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"]})
+    # an evaluation's episodes are recorded at step = its id: the page names the evaluation, its checkpoint and
+    # step, and the policy version of that checkpoint (the trainer's version on them is 0)
+    versions = {c["step"]: c["version"] for c in request.app.state.records.checkpoints(run_id)}
+    evaluations = {e["id"]: {"checkpoint": e["checkpoint"], "step": e["step"], "version": versions.get(e["step"])}
+                   for e in list_evals(request.app.state.records.engine, run_id)}
+    return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"],
+                                                          "evaluations": evaluations})
 
 
 @router.get("/runs/{run_id}/panels/{panel}")
@@ -242,6 +287,8 @@ def run_panel(request: Request, run_id: int, panel: str):
     if panel == "records":
         return render(request, "_records.html", run=run, attempts=records.attempts(run_id),
                       checkpoints=records.checkpoints(run_id), events=records.events(run_id)[-30:][::-1])
+    if panel == "queue":
+        return render(request, "_queue.html", run=run, note=queue_note(request, run))
     if panel == "log":
         return render(request, "_log.html", run=run, log=records.log_tail(run_id, max_bytes=16384), active=ACTIVE)
     raise HTTPException(404, f"no panel {panel}")
@@ -285,7 +332,10 @@ def ack_alert(request: Request, run_id: int, alert_id: int, csrf_token: Annotate
 
 @router.get("/compare")
 @guarded
-def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all: bool = False):  # noqa: B006
+def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all: bool = False,  # noqa: B006
+                 group: str = ""):
+    """Several runs' metrics overlaid (the metrics and x axis chosen in compare.js, kept in the URL), a summary row
+    per run, the config differences; `group` (a config key, or "tag") draws each group's mean with a min/max band."""
     wanted = []
     for part in ids:
         wanted += [int(x) for x in part.split(",") if x.strip().isdigit()]
@@ -300,10 +350,30 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
     keys = sorted(set().union(*leaves)) if leaves else []
     rows = [(k, [lv.get(k, "—") for lv in leaves]) for k in keys]
     differing = [(k, vals) for k, vals in rows if len({json.dumps(v) for v in vals}) > 1]
+    groups = {r["id"]: (", ".join(sorted(r["tags"])) or "untagged" if group == "tag" else
+                        f"{group}={json.dumps(lv.get(group, '—'))}") for r, lv in zip(runs, leaves)} if group else {}
+    summary, attempts, names = [], {}, set()
+    with records.engine.connect() as c:
+        for r in runs:
+            names.update(metric_names(c, r["id"]))
+            best_name = r["config"].get("eval", {}).get("best", "eval_reward")
+            best = c.execute(BEST_EVAL, {"run_id": r["id"], "name": best_name}).first()
+            attempts[r["id"]] = [[a["started_at"], a["ended_at"]] for a in records.attempts(r["id"])]
+            seconds = sum(((a_end or (time.time() if r["status"] == "running" else r["finished_at"] or a_start))
+                           - a_start) for a_start, a_end in attempts[r["id"]])
+            summary.append({"run": r, "best": best, "best_name": best_name, "seconds": seconds if attempts[r["id"]] else None})
     return render(request, "compare.html", runs=runs, rows=rows if all else differing, all=all,
                   differing=len(differing), total=len(rows), ids=",".join(str(r["id"]) for r in runs),
-                  page={"run_ids": [r["id"] for r in runs], "names": {r["id"]: r["name"] for r in runs}},
+                  summary=summary, group=group, group_keys=["tag"] + keys,
+                  page={"run_ids": [r["id"] for r in runs], "names": {r["id"]: r["name"] for r in runs},
+                        "metrics": sorted(names), "attempts": attempts, "groups": groups},
                   recent=records.list_runs(limit=30, config=False))
+
+
+# the best value of a run's eval.best metric, and its step (NaN is stored as NULL: skipped)
+BEST_EVAL = (select(Metric.value, Metric.step).where(Metric.run_id == bindparam("run_id"),
+                                                     Metric.name == bindparam("name"), Metric.value.is_not(None))
+             .order_by(Metric.value.desc(), Metric.step).limit(1))
 
 
 def flatten(config: dict, prefix: str = "") -> dict:

@@ -1,5 +1,5 @@
-"""The dashboard's screenshots for docs/screenshots/: runs list, run page (light and dark), samples view and launch
-form, each at 1440x900 and 390x844, from `molt serve` on a temporary home with two small finished runs.
+"""The dashboard's screenshots for docs/screenshots/: runs list, run page (light and dark), samples view, compare and
+launch form, each at 1440x900 and 390x844, from `molt serve` on a temporary home with two small finished runs.
 
     python bench/screenshots.py [--out docs/screenshots]
 
@@ -71,6 +71,10 @@ def main():
                             page.goto(f"{child.base}/runs/{run_id}/samples?color=logprob")
                             page.wait_for_selector("#samples[data-loaded]")
                             shoot(page, args.out / f"samples-{size}.png")
+                            page.goto(f"{child.base}/compare?ids={','.join(map(str, ids))}"
+                                      "&metrics=reward_mean,pass_rate,eval_reward,policy_loss")
+                            page.wait_for_selector("#chart-reward_mean:not([hidden]) canvas")
+                            shoot(page, args.out / f"compare-{size}.png")
                             page.goto(f"{child.base}/runs/new")
                             page.wait_for_selector("#launch-form")
                             shoot(page, args.out / f"launch-form-{size}.png")

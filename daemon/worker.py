@@ -17,6 +17,7 @@ from .models import ACTIVE, Attempt, Metric, Run, now
 from .report import HttpSink
 from .sink import DbSink
 from .trackers import Mirror
+from .system import SystemSampler
 
 DUPLICATE = 75          # exit code: another worker of this run is alive (EX_TEMPFAIL); this one never started
 TRACEBACK_LINES = 40
@@ -106,6 +107,9 @@ def main(argv=None) -> int:
                       keep_samples=config.get("record", {}).get("keep_steps"),
                       full_disk_at=config.get("drills", {}).get("db_full_disk_at", ()))
     summary, values, code, mirror = None, {}, 0, None
+    sampler = SystemSampler(engine, args.run_id, args.attempt, sink) if isinstance(sink, DbSink) else None
+    if sampler:
+        sampler.start()
     try:
         from molt_engine import RunConfig, train
         cfg = RunConfig.model_validate(config)
@@ -134,6 +138,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if mirror:  # before the sink closes: the trackers' last events go through it
             mirror.close(values.get("outcome", "error"))
+        if sampler:
+            sampler.stop()
         if isinstance(sink, HttpSink) and values.get("outcome") not in (None, "error"):
             sink.end(values["outcome"], summary)  # the dashboard records the end as _record does (an error's
         elif sink:                                # cause reaches the worker through torchrun and Ray instead)

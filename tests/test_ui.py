@@ -132,8 +132,11 @@ def test_breaker_drill_alert_toasts_within_a_second_acknowledges_and_reaches_the
     # the buttons: resume queues it again, stop stops it, clone opens the form with its config
     page.locator("#actions button", has_text="Resume").click()
     expect(page.locator("#run-status")).to_have_text(re.compile("queued|running"))
+    asked = []  # Stop asks first
+    page.once("dialog", lambda d: (asked.append(d.message), d.accept()))
     page.locator("#actions button", has_text="Stop").click()
     expect(page.locator("#run-status")).to_have_text(re.compile("stopped|tripped"), timeout=60_000)
+    assert asked and asked[0].startswith(f"Stop run #{run['id']}")
     page.locator("#actions a", has_text="Clone").click()
     expect(page.locator("#launch-form input[name=name]")).to_have_value("breaker drill (clone)")
     expect(page.locator("#launch-form textarea[name=advanced]")).to_contain_text("spike_at")

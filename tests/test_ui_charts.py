@@ -44,17 +44,29 @@ def visible_metrics(page) -> set[str]:
                                 .flatMap((c) => (c.dataset.metrics || '').split(' ').filter(Boolean))"""))
 
 
+def constant_metrics(page) -> set[str]:
+    """The metrics folded into the "constant" line (one value at every step) instead of a flat chart."""
+    return set(page.evaluate("""[...document.querySelectorAll('.folded-constant button')]
+                                .flatMap((b) => document.getElementById(`chart-${b.dataset.chart}`).dataset.metrics.split(' '))"""))
+
+
 def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_the_rest(finished, page):
     _, _, series = finished
     open_run(page, finished)
     charted = {name for name, s in series.items()
                if not (CHAT_OR_GPU.match(name) and all(v == 0 for v in s["value"]))}
     assert len(charted) >= 30, sorted(series)
-    wait_until(lambda: visible_metrics(page) == charted, 10, message="a visible chart for each recorded metric")
-    # those that were only in the CSV/JSON before, each in a chart of its own
+    wait_until(lambda: visible_metrics(page) | constant_metrics(page) == charted, 10,
+               message="a visible chart, or a place in the constant line, for each recorded metric")
+    constants = constant_metrics(page)
+    assert constants and not constants & visible_metrics(page)
+    for name in constants:  # a constant metric is listed with its one value
+        assert len(set(series[name]["value"])) == 1 and len(series[name]["value"]) >= 3
+    # those that were only in the CSV/JSON before, each in a chart of its own (or the constant line)
     for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_dropped",
                  "trainer_idle_ratio", "sampler_idle_ratio", "trained_fraction"):
-        expect(page.locator(f"#chart-{name}")).to_be_visible()
+        if name not in constants:
+            expect(page.locator(f"#chart-{name}")).to_be_visible()
     # no chat chart on a text run, no GPU chart on a CPU run, no MoE section for a dense policy
     assert series["tool_errors"]["value"] and not any(series["tool_errors"]["value"])
     expect(page.locator("#chart-tool_errors")).to_be_hidden()
@@ -63,8 +75,11 @@ def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_th
     # sections by name
     for section, name in [("reward", "reward_mean"), ("reward", "eval_reward"), ("loss", "policy_loss"),
                           ("loss", "grad_norm"), ("staleness", "staleness_mean"), ("throughput", "samples_per_s"),
-                          ("memory", "rss_gb"), ("env", "env_errors")]:
-        expect(page.locator(f"#section-{section} #chart-{name}")).to_be_visible()
+                          ("memory", "rss_gb"), ("env", "response_length")]:
+        chart = page.locator(f"#section-{section} #chart-{name}")
+        expect(chart).to_have_count(1)
+        if name not in constants:
+            expect(chart).to_be_visible()
 
     page.fill("#view input[name=q]", "loss")
     shown = page.locator(".chart:visible")
@@ -99,7 +114,8 @@ def test_two_eval_suites_chart_separately_in_their_own_section(finished, page):
     in_section = set(page.evaluate("""[...document.querySelectorAll('#section-suites .chart')]
                                       .filter((c) => c.offsetParent !== null)
                                       .flatMap((c) => (c.dataset.metrics || '').split(' ').filter(Boolean))"""))
-    assert in_section == {n for n in visible_metrics(page) if "/" in n} >= {"digits/eval_reward", "calc/eval_reward"}
+    suites = {n for n in visible_metrics(page) if "/" in n and not n.startswith("system/")}  # system/: the worker's
+    assert in_section == suites >= {"digits/eval_reward", "calc/eval_reward"}
     expect(page.locator('#section-reward [id="chart-eval_reward"]')).to_be_visible()
     # the suites' section comes right after the reward section
     assert page.evaluate("document.getElementById('section-reward').nextElementSibling.id") == "section-suites"
@@ -113,8 +129,8 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(reward.locator(".u-legend .u-series").first.locator(".u-label")).to_have_text("step")
     expect(reward.locator(".u-legend .u-series")).to_have_count(2)
     assert plot(page, "reward_mean", "[u.axes[0].label, u.axes[1].label]") == ["step", "reward_mean"]
-    assert plot(page, "samples_per_s", "[u.axes[1].label, u.axes[2].label]") == [
-        "samples_per_s (samples/s)", "tokens_per_s (tokens/s)"]
+    # a title longer than the plot is high is its unit alone (the chart's heading names the metrics)
+    assert plot(page, "samples_per_s", "[u.axes[1].label, u.axes[2].label]") == ["samples/s", "tokens/s"]
     assert plot(page, "rss_gb", "u.axes[1].label") == "rss_gb (GB)"
 
     # hover: values, raw with smoothed, no "--"; the other charts' cursors follow (uPlot cursor sync)
@@ -144,9 +160,11 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(page.locator("#chart-breaker_tripped")).to_have_count(0)
     expect(page.locator("#chart-breaker_threshold")).to_have_count(0)
 
-    # a flat series gets a small range around its value, not 0-100
+    # a flat series (folded into the constant line: a click shows its chart) gets a small range around its value
     flat = next(n for n in ("stale_dropped", "env_errors", "staleness_max")
                 if len(set(series[n]["value"])) == 1)
+    page.locator(f".folded-constant button[data-chart={flat}]").click()
+    expect(page.locator(f"#chart-{flat}")).to_be_visible()
     lo, hi = plot(page, flat, "[u.scales.y.min, u.scales.y.max]")
     value = series[flat]["value"][0]
     assert lo < value < hi and hi - lo <= 2 * max(1, abs(value))

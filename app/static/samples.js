@@ -7,7 +7,7 @@ const MoltSamples = (() => {
   const PAGE = 50;
   // Per colouring: an action token's value, and its colour given the range of the values on the page. One meaning
   // per scale: purple = more (entropy, staleness; improbable for the probability), blue/orange = below/above zero.
-  // Every colour is light enough for dark text (#111827) at >= 4.5:1, in either theme.
+  // Every colour reads at >= 4.5:1 with its theme's token text (LIGHT, DARK below).
   const COLORINGS = {
     logprob: {label: "behaviour probability", value: (ep, i) => ep.tokens.logprob[i],
               scale: () => ({lo: 0, hi: 1, color: (v) => sequential(1 - Math.exp(v)), labels: ["p=0", "p=1"]})},
@@ -20,14 +20,19 @@ const MoltSamples = (() => {
                                   : ep.tokens.logprob[i] - ep.tokens.trainer_logprob[i])},
   };
 
-  const PALE = [248, 250, 252], PURPLE = [192, 132, 252], BLUE = [147, 197, 253], ORANGE = [253, 186, 116];
+  // Light colours under dark text; in the dark theme dark ones under light text, so that a confident token is not
+  // a bright white patch on the dark page (both read at >= 4.5:1).
+  const LIGHT = {pale: [248, 250, 252], purple: [192, 132, 252], blue: [147, 197, 253], orange: [253, 186, 116],
+                 text: "#111827"};
+  const DARK = {pale: [31, 41, 55], purple: [107, 33, 168], blue: [30, 64, 175], orange: [154, 52, 18], text: "#e5e7eb"};
+  let P = LIGHT;
 
   function mix(from, to, t) {
     const x = Math.min(1, Math.max(0, t));
     return `rgb(${from.map((c, k) => Math.round(c + (to[k] - c) * x)).join(", ")})`;
   }
 
-  const sequential = (t) => mix(PALE, PURPLE, t);
+  const sequential = (t) => mix(P.pale, P.purple, t);
 
   // 0 up to the page's largest value (1 when every value is 0, so that 0 is pale and the legend reads 0 to 1).
   function upTo(values) {
@@ -39,7 +44,7 @@ const MoltSamples = (() => {
   function symmetric(values) {
     const m = Math.max(0, ...values.map(Math.abs)) || 1;
     return {lo: -m, hi: m, labels: [fmt(-m), fmt(m)],
-            color: (v) => (v < 0 ? mix(PALE, BLUE, -v / m) : mix(PALE, ORANGE, v / m))};
+            color: (v) => (v < 0 ? mix(P.pale, P.blue, -v / m) : mix(P.pale, P.orange, v / m))};
   }
 
   const fmt = (v) => (v == null ? "—" : Number.isInteger(v) ? String(v) : Number(v).toPrecision(4));
@@ -153,7 +158,14 @@ const MoltSamples = (() => {
                      `reward ${fmt(ep.reward)}`, `advantage ${fmt(ep.advantage)}`, ep.success ? "pass" : "fail",
                      `turns ${ep.turns}`, `tool calls ${ep.tool_calls}`, `tool errors ${ep.tool_errors}`,
                      `trainer version ${ep.version}`];
-      article.append(el("header", {}, el("b", {}, `${ep.kind} · step ${ep.step}`),
+      let title = `${ep.kind} · step ${ep.step}`;
+      const evaluation = ep.kind === "evaluation" && page.evaluations?.[ep.step];  // its step is the evaluation's id
+      if (evaluation) {
+        title = `evaluation #${ep.step} · checkpoint ${evaluation.checkpoint}` +
+          (evaluation.step != null && String(evaluation.step) !== String(evaluation.checkpoint) ? ` (step ${evaluation.step})` : "");
+        facts[facts.length - 1] = `policy version ${evaluation.version ?? "unknown"}`;
+      }
+      article.append(el("header", {}, el("b", {}, title),
                         ...facts.map((fact) => el("span", {}, fact)), same));
       if (ep.images.length) {
         const thumbs = el("div", {className: "thumbs"});
@@ -254,6 +266,7 @@ const MoltSamples = (() => {
         for (const {span} of painted) { span.style.background = span.style.color = ""; delete span.dataset.value; }
         return;
       }
+      P = getComputedStyle(document.documentElement).colorScheme === "dark" ? DARK : LIGHT;
       const values = painted.map(({ep, i}) => coloring.value(ep, i));
       const known = values.filter((v) => v != null);
       const scale = coloring.scale(known);
@@ -261,7 +274,7 @@ const MoltSamples = (() => {
         const v = values[k];
         span.dataset.value = v == null ? "" : String(v);
         span.style.background = v == null ? "" : scale.color(v);
-        span.style.color = v == null ? "" : "#111827";  // the scales' colours are all light
+        span.style.color = v == null ? "" : P.text;
       });
       const distinct = new Set(known);
       legend.querySelector(".name").textContent = coloring.label;
@@ -282,9 +295,21 @@ const MoltSamples = (() => {
       const steps = [...new Set((await response.json()).map((s) => s.step))].reverse();  // newest first
       recorded = steps.length > 0;
       if (wanted != null && !steps.includes(Number(wanted))) steps.unshift(wanted);  // an address keeps its step
-      for (const step of steps) select.append(el("option", {value: String(step)}, String(step)));
-      if (wanted != null) select.value = wanted;
+      const first = select.options.length === 1, known = new Set([...select.options].map((o) => o.value));
+      const added = steps.filter((step) => !known.has(String(step)));
+      // newest first, after "all": a poll's new steps go above those already listed
+      select.options[0].after(...added.map((step) => el("option", {value: String(step)}, String(step))));
+      if (wanted != null && first) select.value = wanted;
+      return added.length;
     }
+
+    // While the run trains, new steps appear: listed, and shown at once when the view is the newest of all steps
+    async function follow() {
+      const added = await loadSteps();
+      if (added && form.elements.step.value === "" && prompt == null && episodes.length <= PAGE) load(true);
+    }
+    if (["queued", "running", "restarting"].includes(page.status)) setInterval(follow, 5000);
+    document.addEventListener("molt-theme", () => paint());
 
     form.addEventListener("change", (event) => {
       remember();
