@@ -19,6 +19,7 @@ from .db import add_daemon_event, add_event, connect, data_home, hold_lock, lock
 from .models import ACTIVE, OUTCOMES, Attempt, Run, now
 from .restarts import decide
 from .sink import replay_spools
+from .sweep_tick import tick_sweeps
 from .worker import DUPLICATE
 
 log = logging.getLogger("molt.daemon")
@@ -116,6 +117,7 @@ class Supervisor:
     def tick(self):
         self.watch()
         self.reconcile()
+        tick_sweeps(self.engine, self.free_slots)  # before start_due: a sweep's new runs start in this same poll
         self.start_due()
         self.evals.tick()
         self.watch_external()
