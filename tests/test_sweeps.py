@@ -1,15 +1,20 @@
 """Sweeps: the space (grid, seeded random, TPE), validation (422 naming the key), scoring by the mean over seeds, the
 median early-stopping rule, and the daemon's sweep tick against a real SQLite file (idempotent across daemons)."""
+import json
+import os
 import random
+import signal
 import statistics
+import subprocess
 
 import httpx
 import pytest
 from sqlalchemy import select
 from sqlmodel import Session
 
-from app_support import web_thread
-from daemon.db import set_run
+from app_support import child_env, molt, serve, web_thread
+from conftest import wait_until
+from daemon.db import lock_holder, set_run
 from daemon.models import Event, Metric, Run
 from daemon.records import Records
 from daemon.sweep_tick import tick_sweeps
@@ -183,3 +188,41 @@ def test_the_api_refuses_bad_spaces_with_422_naming_the_key(tmp_path):
                                                                                          "loop.group_size": 2}
         assert client.post(f"/api/v1/sweeps/{sweep_id}/stop").json()["status"] == "stopped"
         assert client.get("/api/v1/sweeps/99").status_code == 404
+
+
+@pytest.mark.slow
+def test_molt_sweep_runs_a_real_2x2_grid_with_2_seeds_through_a_daemon_killed_midway(tmp_path):
+    """8 real runs through `molt serve`'s daemon, which is SIGKILLed once the sweep's first runs train: the keeper's
+    next daemon goes on, no point runs twice and none is lost, and `molt sweep --wait` prints the best point."""
+    tiny = {"env": "max_digit", "loop": {"steps": 6, "groups_per_step": 2, "eval_every": 3, "eval_episodes": 8},
+            "warm_start": {"steps": 2}, "checkpoint": {"every": 3}}
+    (tmp_path / "sweep.yaml").write_text(
+        "name: e2e\nconfig: " + json.dumps(tiny) + "\nseeds: 2\nscore: last\n"
+        "params:\n  algo.lr: {values: [1e-3, 3e-3]}\n  loop.group_size: {values: [2, 4]}\n")
+    home = tmp_path / "home"
+    with serve(home, "--concurrency", "2") as served:
+        cli = subprocess.Popen(molt("sweep", str(tmp_path / "sweep.yaml"), "--url", served.base, "--token",
+                                    served.token, "--wait", "--timeout", "900"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(home))
+        records = Records(home)
+        wait_until(lambda: any(r["status"] == "running" and r["step"] >= 1 for r in records.list_runs(tag="e2e")),
+                   300, message="no sweep run trained")
+        first = int(lock_holder(home / "daemon.lock").split()[0])
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: (h := lock_holder(home / "daemon.lock")) and int(h.split()[0]) != first, 120,
+                   message="no new daemon")
+        out, err = cli.communicate(timeout=900)
+        assert cli.returncode == 0, err
+        best = json.loads(out)
+        sweep = records.get_sweep(best["sweep"])
+        with Session(records.engine) as s:
+            keys = s.scalars(select(Run.idempotency_key).where(Run.sweep_id == sweep["id"])).all()
+        assert len(keys) == len(set(keys)) == 8 and {r["status"] for r in sweep["runs"]} == {"completed"}
+        assert best["params"] == sweep["best"]["params"] and best["config"]["algo"]["lr"] == best["params"]["algo.lr"]
+        means = {}
+        for r in sweep["runs"]:  # the best point's score: the mean of its seeds' last eval_reward, from their records
+            last = records.metrics(r["id"], ["eval_reward"])[-1]["value"]
+            means.setdefault(r["sweep_point"], []).append(last)
+        assert sweep["status"] == "completed"
+        assert best["score"] == pytest.approx(max(statistics.fmean(v) for v in means.values()))
+        assert statistics.fmean(means[sweep["best"]["point"]]) == pytest.approx(best["score"])
