@@ -97,6 +97,12 @@ pages = APIRouter(include_in_schema=False)
 SORTS = ("score", "status", "seed", "id")   # and any of the sweep's params
 
 
+@pages.get("/sweeps")
+@guarded
+def sweeps_page(request: Request):
+    return render(request, "sweeps.html", sweeps=request.app.state.records.list_sweeps())
+
+
 @pages.get("/sweeps/{sweep_id}")
 @guarded
 def sweep_page(request: Request, sweep_id: int, sort: Annotated[str, Query()] = "score", desc: bool = False):
