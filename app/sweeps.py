@@ -1,15 +1,18 @@
 """Sweeps: the REST API under /api/v1/sweeps (queue, list, read, stop, resume, delete) and the sweep page (its runs
 as rows, a parallel-coordinates chart of the params against the score, links into compare)."""
+import json
 import math
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Form, HTTPException, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import RedirectResponse
+from pydantic import ValidationError
 
 from daemon.sweep_records import SweepConflict, SweepNotFound
 from daemon.sweeps import SweepInvalid, SweepRequest
 
-from .pages import guarded, render
+from .pages import check_csrf, guarded, render
 from .rest import _problem, authenticated, known_query, records_of
 from .schemas import BadRequest, Invalid, Out
 
@@ -101,6 +104,54 @@ SORTS = ("score", "status", "seed", "id")   # and any of the sweep's params
 @guarded
 def sweeps_page(request: Request):
     return render(request, "sweeps.html", sweeps=request.app.state.records.list_sweeps())
+
+
+@pages.get("/sweeps/new")
+@guarded
+def new_sweep_page(request: Request, run_id: Annotated[int | None, Query(ge=1)] = None):
+    """The form that starts a sweep from a run's config: the keys and their ranges (JSON), the method."""
+    config = {"env": "max_digit"}
+    if run_id is not None:
+        try:
+            config = request.app.state.records.get_run(run_id)["config"]
+        except KeyError:
+            raise HTTPException(404, f"no run {run_id}") from None
+    lr = config.get("algo", {}).get("lr", 3e-4)
+    form = {"name": f"sweep-{run_id}" if run_id else "", "method": "grid", "metric": "eval_reward", "goal": "max",
+            "runs": "", "seeds": "1", "config": json.dumps(config, indent=2),
+            "params": json.dumps({"algo.lr": {"values": [lr / 3, lr, lr * 3]}}, indent=2)}
+    return render(request, "sweep_new.html", form=form, error=None)
+
+
+@pages.post("/sweeps/new")
+@guarded
+def start_from_form(request: Request, name: Annotated[str, Form()] = "", method: Annotated[str, Form()] = "grid",
+                    metric: Annotated[str, Form()] = "eval_reward", goal: Annotated[str, Form()] = "max",
+                    runs: Annotated[str, Form()] = "", seeds: Annotated[str, Form()] = "1",
+                    params: Annotated[str, Form()] = "{}", config: Annotated[str, Form()] = "{}",
+                    csrf_token: Annotated[str | None, Form()] = None):
+    """Queue the sweep; a bad field comes back on the form, named (the 422 of the API, as a message)."""
+    check_csrf(request, csrf_token)
+    form = {"name": name, "method": method, "metric": metric, "goal": goal, "runs": runs, "seeds": seeds,
+            "params": params, "config": config}
+    try:
+        body = {"name": name.strip(), "method": method, "metric": metric, "goal": goal, "seeds": int(seeds),
+                "runs": int(runs) if runs.strip() else None}
+        for field in ("params", "config"):
+            try:
+                body[field] = json.loads(form[field])
+            except json.JSONDecodeError as e:
+                raise SweepInvalid((field,), f"not JSON: {e}") from None
+        sweep = request.app.state.records.queue_sweep(SweepRequest.model_validate(body))
+    except SweepInvalid as e:
+        return render(request, "sweep_new.html", status_code=422, form=form,
+                      error=f"{'.'.join(map(str, e.loc))}: {e}")
+    except ValidationError as e:
+        return render(request, "sweep_new.html", status_code=422, form=form, error="; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+    except ValueError as e:  # seeds or runs not a number
+        return render(request, "sweep_new.html", status_code=422, form=form, error=f"seeds/runs: {e}")
+    return RedirectResponse(f"/sweeps/{sweep['id']}", status_code=303)
 
 
 @pages.get("/sweeps/{sweep_id}")

@@ -61,3 +61,19 @@ def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selecti
 
     page.goto(f"{base}/runs/{first}")
     expect(page.locator("#ov-sweep a")).to_have_attribute("href", f"/sweeps/{sweep['id']}")
+
+
+def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_named(finished, page):
+    base, sweep, _ = finished
+    run_id = sweep["runs"][0]["id"]
+    page.goto(f"{base}/runs/{run_id}?token={TOKEN}")
+    page.locator("#actions a", has_text="Sweep…").click()
+    expect(page.locator("textarea[name=config]")).to_contain_text('"max_digit"')
+    page.get_by_label("name").fill("from-form")
+    page.get_by_label("params").fill('{"algo.lr": {"values": [0.001, -1.0]}}')
+    page.get_by_role("button", name="Start the sweep").click()
+    expect(page.locator("#new-sweep .error")).to_contain_text("params.algo.lr: algo.lr=-1.0")
+    page.get_by_label("params").fill('{"algo.lr": {"values": [0.001, 0.002]}}')
+    page.get_by_role("button", name="Start the sweep").click()
+    expect(page.locator("h1")).to_contain_text("Sweep from-form")
+    expect(page.locator("#sweep-summary")).to_contain_text("running · grid")
