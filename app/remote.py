@@ -90,7 +90,8 @@ def server_options(p):
 
 def cmd_runs(args) -> int:
     import httpx
-    who = {"eval": "molt eval", "sweep": "molt sweep"}.get(args.runs_command, "molt runs")  # error messages name the command typed
+    # error messages name the command typed
+    who = {"eval": "molt eval", "sweep": "molt sweep"}.get(args.runs_command, "molt runs")
     token = args.token or os.environ.get("MOLT_TOKEN") or local_token()
     if not token:
         print(f"{who}: no token: pass --token, set MOLT_TOKEN, or run where the data directory is",

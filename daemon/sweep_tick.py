@@ -67,7 +67,7 @@ def early_stop(s: Session, sweep: Sweep, request: SweepRequest):
     runs = s.execute(select(Run.id, Run.step, Run.status).where(Run.sweep_id == sweep.id)).all()
     judged = list(sweep.judged)
     for step in sorted(rule.at_steps):
-        reached = [r for r in runs if r.step >= step]
+        reached = [r for r in runs if r.step > step]  # its record of that step is in (step = last step + 1)
         values = run_values(s, [r.id for r in reached], request.metric, up_to=step)
         scores = {r.id: score(values.get(r.id, []), request.score, request.goal, request.last_n) for r in reached}
         for r in reached:

@@ -16,7 +16,7 @@ MAX_POINTS = 1000   # a grid larger than this is almost surely a mistake (and ev
 class Param(BaseModel):
     """One key's range: `values` (a list to choose from; the only form a grid takes), or `min` and `max` (uniform;
     `log` for a log-uniform draw, `int` for whole numbers)."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is not 0
     values: list[Any] | None = None
     min: float | None = None
     max: float | None = None
@@ -39,7 +39,7 @@ class Param(BaseModel):
 class EarlyStop(BaseModel):
     """The median rule: at each of `at_steps`, a run whose score so far is worse than the median of its peers' (the
     sweep's other runs that reached that step; at least `min_peers`) by more than `margin` is stopped."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     rule: Literal["median"] = "median"
     at_steps: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
     min_peers: int = Field(2, ge=1)
@@ -48,7 +48,7 @@ class EarlyStop(BaseModel):
 
 class SweepRequest(BaseModel):
     """The body of POST /api/v1/sweeps, and the YAML file of `molt sweep`."""
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [{
         "name": "lr-x-group", "config": {"env": "max_digit", "loop": {"steps": 40}},
         "params": {"algo.lr": {"values": [3e-4, 1e-3]}, "loop.group_size": {"values": [4, 8]}},
         "method": "grid", "seeds": 2}]})
