@@ -117,10 +117,10 @@ class Supervisor:
     def tick(self):
         self.watch()
         self.reconcile()
-        tick_sweeps(self.engine, self.free_slots)  # before start_due: a sweep's new runs start in this same poll
         self.start_due()
         self.evals.tick()
         self.watch_external()
+        tick_sweeps(self.engine, self.free_slots)  # last: a sweep's new runs start next poll
 
     def watch_external(self):
         """External runs (`molt train --report-to`) are never started, restarted or failed here: one whose heartbeats

@@ -22,10 +22,18 @@ def tick_sweeps(engine, free_slots):
         with Session(engine) as s:
             sweep = s.get(Sweep, sweep_id)
             request = SweepRequest.model_validate(sweep.request)
-            if request.method == "tpe":
-                next_point(s, sweep, request, free_slots(s))
-            if ensure_runs(s, sweep, request):
+            try:
+                if request.method == "tpe":
+                    next_point(s, sweep, request, free_slots(s))
+                if ensure_runs(s, sweep, request):
+                    s.commit()
+            except SweepInvalid as e:  # e.g. its env's file was removed, or Optuna since the sweep was queued
+                s.rollback()
+                s.execute(update(Sweep).where(Sweep.id == sweep_id).values(status="failed", last_error=str(e),
+                                                                           finished_at=now()))
                 s.commit()
+                log.warning("sweep %d failed: %s", sweep_id, e)
+                continue
             if request.early_stop:
                 early_stop(s, sweep, request)
             finish(s, sweep, request)
@@ -46,13 +54,7 @@ def next_point(s: Session, sweep: Sweep, request: SweepRequest, free: int):
         ended = mine and all(r.status in TERMINAL for r in mine)
         scores = [score(values.get(r.id, []), request.score, request.goal, request.last_n) for r in mine]
         done.append((params, point_score(scores) if ended else None))
-    try:
-        point = suggest(request, done)
-    except SweepInvalid as e:  # Optuna missing since the sweep was queued: the sweep fails, saying why
-        s.execute(update(Sweep).where(Sweep.id == sweep.id).values(status="failed", last_error=str(e),
-                                                                   finished_at=now()))
-        s.commit()
-        return
+    point = suggest(request, done)
     # only if still running: a stop committed meanwhile wins (SQLite serializes the two writes)
     if s.execute(update(Sweep).where(Sweep.id == sweep.id, Sweep.status == "running")
                  .values(points=sweep.points + [point])).rowcount:

@@ -127,7 +127,7 @@ def check(request: SweepRequest) -> list[dict]:
         for value in p.values if p.values is not None else (_number(p, p.min), _number(p, p.max)):
             run_config(request.config, {key: value})
     points = grid(request) if request.method == "grid" else sample(request) if request.method == "random" else []
-    for point in points:
+    for point in points + ([suggest(request, [])] if request.method == "tpe" else []):  # tpe: Optuna is there
         run_config(request.config, point)
     return points
 
@@ -180,7 +180,7 @@ def suggest(request: SweepRequest, done: list[tuple[dict, float | None]]) -> dic
 
 
 def seeds_of(request: SweepRequest) -> list[int]:
-    base = RunConfig.model_validate(request.config).seed if isinstance(request.seeds, int) else 0
+    base = request.config.get("seed", RunConfig.model_fields["seed"].default)
     return [base + i for i in range(request.seeds)] if isinstance(request.seeds, int) else list(request.seeds)
 
 

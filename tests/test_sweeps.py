@@ -239,3 +239,19 @@ def test_tpe_over_one_key_concentrates_near_the_better_end():
         done.append((point, -abs(math.log10(point["algo.lr"]) + 2)))
     distance = [-value for _, value in done]
     assert statistics.median(distance[-10:]) < statistics.median(distance[:10]) / 2
+
+
+def test_a_sweep_that_can_no_longer_run_fails_saying_why_without_stopping_the_tick(tmp_path):
+    from daemon.models import Sweep
+    records = Records(tmp_path)
+    broken = records.queue_sweep(request(name="broken", seeds=1))
+    fine = records.queue_sweep(request(name="fine", seeds=1))
+    with Session(records.engine) as s:  # its env's file removed since it was queued
+        sweep = s.get(Sweep, broken["id"])
+        sweep.request = {**sweep.request, "config": {**sweep.request["config"], "env": "gone"}}
+        s.add(sweep)
+        s.commit()
+    tick_sweeps(records.engine, all_slots)
+    failed = records.get_sweep(broken["id"])
+    assert failed["status"] == "failed" and "unknown env 'gone'" in failed["last_error"] and failed["runs"] == []
+    assert len(records.get_sweep(fine["id"])["runs"]) == 4
