@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemon.records import Records, RunNotFound
 
-from . import eval_pages, evals, ingest, launch, pages, prometheus, rest
+from . import eval_pages, evals, ingest, launch, pages, prometheus, rest, sweeps
 from .auth import Auth, load_or_create_token, same_origin
 from .live import OVERFLOW, Hub, daemon_message, dumps
 from .series import SeriesCache
@@ -100,6 +100,8 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app.include_router(ingest.router)
     app.include_router(rest.router)
     app.include_router(evals.router)
+    app.include_router(sweeps.router)
+    app.include_router(sweeps.pages)
     app.include_router(eval_pages.router)
     app.include_router(prometheus.router)
     app.include_router(launch.router)  # before pages: /runs/new is not /runs/{run_id}

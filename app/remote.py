@@ -1,6 +1,7 @@
 """`molt runs ...` and `molt eval`: the REST API's client, for CI (talks to a running `molt serve`/`molt web`)."""
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,16 @@ def add_commands(commands):
                         "implies --wait")
     e.set_defaults(func=cmd_runs, runs_command="eval")
 
+    w = commands.add_parser("sweep", help="queue a sweep from a YAML (or JSON) file through the REST API",
+                            description="Queues the sweep (docs/sweeps.md); with --wait prints its best "
+                                        "configuration as JSON once it ends. Exit status: 0 completed, 1 failed, "
+                                        "4 stopped, 124 timed out, 2 invalid input, 5 server unreachable.")
+    server_options(w)
+    w.add_argument("file", type=Path, help="the sweep: name, config, params, method, metric, ...")
+    w.add_argument("--wait", action="store_true", help="wait until it ends and print the best configuration")
+    w.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
+    w.set_defaults(func=cmd_runs, runs_command="sweep")
+
 
 def server_options(p):
     p.add_argument("--url", default=os.environ.get("MOLT_URL", "http://127.0.0.1:8000"),
@@ -79,7 +90,8 @@ def server_options(p):
 
 def cmd_runs(args) -> int:
     import httpx
-    who = "molt eval" if args.runs_command == "eval" else "molt runs"  # error messages name the command typed
+    # error messages name the command typed
+    who = {"eval": "molt eval", "sweep": "molt sweep"}.get(args.runs_command, "molt runs")
     token = args.token or os.environ.get("MOLT_TOKEN") or local_token()
     if not token:
         print(f"{who}: no token: pass --token, set MOLT_TOKEN, or run where the data directory is",
@@ -253,6 +265,35 @@ def evaluate(client, args) -> int:
     return EXIT_MISSED if missed else 0
 
 
+def sweep(client, args) -> int:
+    import yaml
+
+    class Loader(yaml.SafeLoader):  # YAML 1.1 reads 1e-3 (no dot) as a string: a learning rate must be a number
+        pass
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                 list("-+0123456789."))
+    try:
+        body = yaml.load(args.file.read_text(), Loader=Loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ApiError(f"cannot read {args.file} as YAML: {e}", EXIT_BAD_INPUT) from None
+    swept = call(client, "POST", "/api/v1/sweeps", json=body).json()
+    print(f"sweep {swept['id']} queued: {args.url.rstrip('/')}/sweeps/{swept['id']}", file=sys.stderr)
+    if not args.wait:
+        return 0
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    while (swept := call(client, "GET", f"/api/v1/sweeps/{swept['id']}").json())["status"] == "running":
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"molt sweep: sweep {swept['id']} still running after {args.timeout:g}s", file=sys.stderr)
+            return EXIT_TIMEOUT
+        time.sleep(2.0)
+    from daemon.sweeps import with_params
+    best = swept["best"] or {}
+    print(json.dumps({"sweep": swept["id"], "status": swept["status"], "metric": swept["metric"],
+                      "score": best.get("score"), "params": best.get("params"),
+                      "config": with_params(body["config"], best.get("params", {}))}, indent=2))
+    return EXIT_CODES.get(swept["status"], 1) if best else 1
+
+
 RUNS_COMMANDS = {
     "create": runs_create,
     "list": runs_list,
@@ -262,4 +303,5 @@ RUNS_COMMANDS = {
     "wait": lambda client, a: wait_for(client, a, a.id),
     "metrics": runs_metrics,
     "eval": evaluate,
+    "sweep": sweep,
 }

@@ -58,6 +58,8 @@ class RunOut(Out):
     best_eval: Number | None = Field(None, description="the highest eval_reward recorded, if any")
     host: str | None = Field(None, description="an external run's machine (`molt train --report-to`); null: ours")
     ranks: int | None = Field(None, description="an external run's processes")
+    sweep_id: int | None = Field(None, description="the sweep that created it (GET /api/v1/sweeps/{id})")
+    sweep_point: int | None = Field(None, description="its point in that sweep")
     created_at: float
     started_at: float | None
     finished_at: float | None

@@ -59,6 +59,27 @@ class Run(SQLModel, table=True):
     ranks: int | None = None               # its processes (world size)
     ingest_token: str | None = Field(default=None, index=True)  # sha256 of its run-scoped ingest token
     idempotency_key: str | None = Field(default=None, unique=True)  # its registration's: a retry finds it
+    # A sweep's run: its sweep and point (its idempotency_key "sweep:ID:POINT:SEED" makes creating it idempotent)
+    sweep_id: int | None = Field(default=None, index=True)
+    sweep_point: int | None = None
+
+
+SWEEP_STATUSES = ("running", "stopped", "completed", "failed")
+
+
+class Sweep(SQLModel, table=True):
+    """A search over config keys (daemon/sweeps.py): its request, the points so far (param dicts; a grid's or a
+    random sweep's all at once, TPE's one by one), and the (run, step) pairs the early-stopping rule has judged."""
+    __table_args__ = NEVER_REUSED
+    id: int | None = Field(default=None, primary_key=True)
+    name: str
+    status: str = Field(default="running", index=True)  # see SWEEP_STATUSES
+    request: dict = Field(sa_column=Column(JSON, nullable=False))  # the validated SweepRequest
+    points: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    judged: list = Field(default_factory=list, sa_column=Column(JSON, nullable=False))  # ["run_id:step", ...]
+    last_error: str | None = Field(default=None, sa_column=Column(Text))
+    created_at: float = Field(default_factory=now)
+    finished_at: float | None = None
 
 
 class Attempt(SQLModel, table=True):

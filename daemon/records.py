@@ -17,6 +17,7 @@ from .db import add_event, connect, data_home, eval_dir, row_dict, run_dir, set_
 from .models import (ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric, Evaluation, MetricBucket,
                      PolicyVersion, Run, Sample, now)
 from .sample_records import SampleRecords
+from .sweep_records import SweepRecords
 
 RUN_SORTS = ("created", "status", "env", "model", "steps", "duration", "best_eval")
 
@@ -44,7 +45,7 @@ class Conflict(ValueError):
     """The run's status does not allow the request (e.g. resume a completed run)."""
 
 
-class Records(SampleRecords, DaemonRecords):
+class Records(SampleRecords, DaemonRecords, SweepRecords):
     """Everything the app needs, over the database in the data directory (migrated on open). The daemon need not
     run: requests are records (a queued run, a `stopping` status) that the daemon acts on within a poll interval.
     Rows come back as plain dicts; times are unix seconds; a metric value of NaN comes back as float('nan')."""

@@ -19,6 +19,7 @@ from .db import FIRST_BEAT_S, add_daemon_event, add_event, connect, data_home, h
 from .models import ACTIVE, OUTCOMES, Attempt, Run, now
 from .restarts import decide
 from .sink import replay_spools
+from .sweep_tick import tick_sweeps
 from .worker import DUPLICATE
 
 log = logging.getLogger("molt.daemon")
@@ -116,6 +117,7 @@ class Supervisor:
         self.start_due()
         self.evals.tick()
         self.watch_external()
+        tick_sweeps(self.engine, self.free_slots)  # last: a sweep's new runs start next poll
 
     def watch_external(self):
         """External runs (`molt train --report-to`) are never started, restarted or failed here: one whose heartbeats

@@ -89,7 +89,10 @@ def page_routes(web) -> list[tuple[str, str]]:
     """(method, URL) of every HTML page of the real app behind the login, as FastAPI routes requests to them."""
     run = new_run(web)
     evaluation = web["client"].post("/api/v1/evals", json={"model": {"preset": "tiny-dense"}, "env": "max_digit"})
-    values = {**PATH_PARAMS, "run_id": str(run["id"]), "eval_id": str(evaluation.json()["id"])}
+    sweep = web["client"].post("/api/v1/sweeps", json={"name": "pages", "config": {"env": "max_digit"},
+                                                       "params": {"algo.lr": {"values": [1e-3]}}})
+    values = {**PATH_PARAMS, "run_id": str(run["id"]), "eval_id": str(evaluation.json()["id"]),
+              "sweep_id": str(sweep.json()["id"])}
     found = []
     for context in fastapi.routing.iter_route_contexts(web["app"].routes):  # included routers' routes too
         path = context.path

@@ -1,0 +1,80 @@
+"""The sweep page in Chromium, on a finished 2x2 grid with 2 seeds whose runs' records are written into a real SQLite
+file: the runs table best first and sortable, the parallel-coordinates chart, compare for a selection, the link from
+a run's page."""
+import random
+import statistics
+
+import pytest
+from playwright.sync_api import expect
+
+from app_support import web_thread
+from conftest import screenshot
+from daemon.records import Records
+from daemon.sweep_tick import tick_sweeps
+from daemon.sweeps import SweepRequest
+from test_sweeps import GRID, record
+
+TOKEN = "ui-sweep-token"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    records = Records(home)
+    sweep = records.queue_sweep(SweepRequest.model_validate(GRID))
+    tick_sweeps(records.engine, lambda _s: 8)
+    rng = random.Random(11)
+    written = {}
+    for r in records.get_sweep(sweep["id"])["runs"]:
+        written[r["id"]] = [rng.random() for _ in range(3)]
+        record(records, r["id"], written[r["id"]])
+    tick_sweeps(records.engine, lambda _s: 8)
+    with web_thread(home, TOKEN) as (base, _app):
+        yield base, records.get_sweep(sweep["id"]), written
+
+
+def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selection(finished, page):
+    base, sweep, written = finished
+    page.goto(f"{base}/sweeps?token={TOKEN}")
+    page.get_by_role("link", name="lr-x-group").click()
+    rows = page.locator("#sweep-runs tbody tr")
+    expect(rows).to_have_count(8)
+    means = {p: statistics.fmean(max(written[r["id"]]) for r in sweep["runs"] if r["sweep_point"] == p)
+             for p in {r["sweep_point"] for r in sweep["runs"]}}  # each point's mean over its seeds of their best
+    best_point = max(means, key=means.get)
+    best_runs = {f"sweep-run-{r['id']}" for r in sweep["runs"] if r["sweep_point"] == best_point}
+    assert {rows.nth(0).get_attribute("id"), rows.nth(1).get_attribute("id")} == best_runs
+    expect(page.locator("#sweep-best")).to_contain_text(f"score {means[best_point]:.4g}")
+    expect(page.locator("#parallel polyline")).to_have_count(8)
+    expect(page.locator("#parallel polyline[stroke='#d9480f']")).to_have_count(2)
+    expect(page.locator("#parallel text", has_text="algo.lr")).to_have_count(1)
+    screenshot(page, "sweep-page.png")
+
+    page.get_by_role("link", name="seed").click()  # sorted by seed: the four seed-0 runs first
+    expect(rows.nth(3).locator("td").nth(4)).to_have_text(str(min(r["seed"] for r in sweep["runs"])))
+    expect(rows.nth(4).locator("td").nth(4)).to_have_text(str(max(r["seed"] for r in sweep["runs"])))
+
+    first, second = sweep["runs"][0]["id"], sweep["runs"][-1]["id"]
+    page.get_by_label(f"compare run {first}", exact=True).check()
+    page.get_by_label(f"compare run {second}", exact=True).check()
+    page.get_by_role("button", name="Compare selected").click()
+    expect(page).to_have_url(f"{base}/compare?ids={first}&ids={second}")
+
+    page.goto(f"{base}/runs/{first}")
+    expect(page.locator("#ov-sweep a")).to_have_attribute("href", f"/sweeps/{sweep['id']}")
+
+
+def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_named(finished, page):
+    base, sweep, _ = finished
+    run_id = sweep["runs"][0]["id"]
+    page.goto(f"{base}/runs/{run_id}?token={TOKEN}")
+    page.locator("#actions a", has_text="Sweep…").click()
+    expect(page.locator("textarea[name=config]")).to_contain_text('"max_digit"')
+    page.get_by_label("name").fill("from-form")
+    page.get_by_label("params").fill('{"algo.lr": {"values": [0.001, -1.0]}}')
+    page.get_by_role("button", name="Start the sweep").click()
+    expect(page.locator("#new-sweep .error")).to_contain_text("params.algo.lr: algo.lr=-1.0")
+    page.get_by_label("params").fill('{"algo.lr": {"values": [0.001, 0.002]}}')
+    page.get_by_role("button", name="Start the sweep").click()
+    expect(page.locator("h1")).to_contain_text("Sweep from-form")
+    expect(page.locator("#sweep-summary")).to_contain_text("running · grid")
