@@ -17,7 +17,7 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import bindparam, select
 from markupsafe import escape
 
-from daemon.evals import list_evals
+from daemon.eval_records import list_evals
 from daemon.records import Conflict, RunNotFound
 from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
 
