@@ -70,7 +70,7 @@ class Recovery:
                   f"dropped, admission on-policy for {self.cfg.breaker.cooldown} healthy steps")
         weights = None
         if self.breaker.recent_trips(step) >= self.cfg.breaker.max_trips:
-            good = checkpoint.latest(self.ckpt_dir) if self.ckpt_dir else None
+            good = dist.agreed(checkpoint.latest(self.ckpt_dir) if self.ckpt_dir else None)  # every rank's, as prepare
             if good is None or self.breaker.rollbacks >= self.cfg.breaker.max_rollbacks:
                 self.sink.alert("breaker", f"step {step}: grad norm {metrics['grad_norm']:.4g}; "
                                 f"{self.breaker.recent_trips(step)} trips, giving up: run tripped",

@@ -17,7 +17,7 @@ import molt_engine.loop as loop_mod
 import molt_engine.rollout as rollout_mod
 import molt_engine.update as update_mod
 from molt_engine import EnvFailure, NullSink, RunConfig, train
-from molt_engine import checkpoint
+from molt_engine import checkpoint, dist
 from molt_engine.alerts import Alerts
 from molt_engine.breaker import Breaker
 from molt_engine.sampler import Request, Sampler
@@ -339,6 +339,16 @@ def test_repeated_spikes_roll_back_then_persistent_spikes_trip(tmp_path):
     assert summary["status"] == "tripped"
     assert [e["kind"] for e in sink.events].count("rollback") == 1
     assert sink.alerts[-1]["action"] == "tripped" and summary["step"] == 16  # 3 trips, rollback, 3 more trips
+
+
+def test_ranks_agree_on_the_checkpoint_a_rollback_restores(tmp_path, monkeypatch):
+    """As on resume: every rank must roll back to the same checkpoint. Here another rank sees another one (a node
+    without the run's directory): the run stops naming both instead of each rank restoring its own."""
+    monkeypatch.setattr(dist, "all_gather", lambda value: [value] if value is None else [value, "step-000099"])
+    cfg = config(loop={"steps": 8}, drills={"spike_at": [4, 5, 6]}, checkpoint={"every": 2},
+                 breaker={"min_history": 3, "abs_max": 100.0, "max_trips": 3, "max_rollbacks": 1})
+    with pytest.raises(RuntimeError, match=r"the ranks see different checkpoints .*step-000099"):
+        train(cfg, Recorder(), out_dir=tmp_path)
 
 
 def test_healthy_default_runs_never_trip():
