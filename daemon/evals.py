@@ -18,6 +18,7 @@ from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.pool import NullPool
 from sqlmodel import Session
 
+from molt_engine.checkpoint import complete, resolve, step_of
 from molt_engine.config import RunConfig
 
 from .db import connect, data_home, hold_lock, lock_holder, run_dir
@@ -116,17 +117,16 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
 def policy_of(run: Run, home: Path, checkpoint: str | int) -> tuple[Path, int | None]:
     """The policy directory of a run's checkpoint, and the step it is from (None where unknown)."""
     out = run_dir(home, run.id)
-    steps = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")
-                   if (p / "state.pt").exists())
+    steps = [step_of(p) for p in complete(out / "checkpoints")]
     if isinstance(checkpoint, int) or (checkpoint.isascii() and checkpoint.isdigit()):
         if int(checkpoint) not in steps:
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no checkpoint at step {checkpoint}; it has "
                                                f"{', '.join(map(str, steps)) or 'none'}")
-        return out / "checkpoints" / f"step-{int(checkpoint):06d}" / "policy", int(checkpoint)
-    if checkpoint == "latest":
-        if not steps:
+        return resolve(out / "checkpoints", checkpoint) / "policy", int(checkpoint)
+    if checkpoint == "latest":  # the one `latest` points to, as resume and rollback take
+        if not (found := resolve(out / "checkpoints", "latest")):
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no checkpoints")
-        return out / "checkpoints" / f"step-{steps[-1]:06d}" / "policy", steps[-1]
+        return found / "policy", step_of(found)
     if checkpoint in ("best", "final"):
         if not (out / checkpoint / "config.json").exists():
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no {checkpoint} policy (best: written by its evals; "
