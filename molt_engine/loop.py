@@ -84,7 +84,7 @@ class Training(Scheduling, Recovery, Evaluation):
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
         self.recent_env_errors, self.last_env_traceback = deque(maxlen=cfg.loop.env_error_window), ""
         self.errors = "agent_errors" if self.rollout.server else "env_errors"  # the counter a failed episode adds to
-        self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_dropped": 0, "groups_filtered": 0}
+        self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_episodes_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}                  # what train() returns: the last metrics, status, paths
         self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update

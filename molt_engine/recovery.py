@@ -46,7 +46,7 @@ class Recovery:
         self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
         self.dropped_groups, self.requeued, self.best = state["dropped_groups"], state["requeued"], state["best"]
         self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
-        self.counts.update(state["counts"])
+        self.counts.update((k, v) for k, v in state["counts"].items() if k in self.counts)  # older names: left out
         self.recent_env_errors.extend(state["recent_env_errors"])
         self.alerts.load_state_dict(state)
         self.breaker.load_state_dict(state["breaker"])
@@ -64,7 +64,7 @@ class Recovery:
             # The refused batch frees admission for a replacement; buffered episodes of older versions are dropped.
             stale = [g for g in self.buffer if min(e.oldest_version for e in g) < self.version]
             self.buffer = [g for g in self.buffer if g not in stale]
-            self.counts["stale_dropped"] += sum(len(g) for g in stale)
+            self.counts["stale_episodes_dropped"] += sum(len(g) for g in stale)
             self.release(len(groups) + len(stale))
         action = (f"update skipped, nothing published, {sum(len(g) for g in stale)} stale buffered episodes "
                   f"dropped, admission on-policy for {self.cfg.breaker.cooldown} healthy steps")

@@ -83,9 +83,12 @@ class Scheduling:
                     return None
                 group = self.buffer.pop(0)
                 stale = self.version - min(e.oldest_version for e in group) > cfg.loop.max_staleness
-                flat = cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
+                # At most a batch's worth filtered per step: with every group flat, steps go on, and without signal
+                # (the no-signal alert), rather than sampling forever
+                flat = (cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
+                        and self.counts["groups_filtered"] < cfg.loop.groups_per_step)
                 if stale or flat:
-                    self.counts["stale_dropped" if stale else "groups_filtered"] += len(group) if stale else 1
+                    self.counts["stale_episodes_dropped" if stale else "groups_filtered"] += len(group) if stale else 1
                     self.release(1)
                     continue
             batch.append(group)

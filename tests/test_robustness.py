@@ -300,7 +300,7 @@ def test_spike_drill_skips_update_alerts_and_forces_sync(monkeypatch):
     assert alert["step"] == k and alert["norm"] == trip["grad_norm"] and alert["threshold"] == trip["breaker_threshold"]
     assert "skipped" in alert["action"]
     # Stale buffered episodes were dropped and counted at the trip.
-    assert trip["stale_dropped"] > 0
+    assert trip["stale_episodes_dropped"] > 0
     # During the cooldown, admission was strictly on-policy (no off-policy episodes were started).
     cooling = [(n, v) for left, n, v in admissions if left > 0]
     assert cooling and all(n < (v + 1) * B for n, v in cooling)
@@ -365,14 +365,14 @@ def test_staleness_alert_fires_once_per_crossing_and_resumes():
     base = {"staleness_max": 0.0, "mismatch_kl": 0.0}
     fired = []
     for step, dropped in enumerate([0, 8, 8, 0, 0]):
-        fired += alerts.check(step, {**base, "stale_dropped": dropped}, trained=16)
+        fired += alerts.check(step, {**base, "stale_episodes_dropped": dropped}, trained=16)
     resumed = Alerts(alerts.cfg)  # a resumed run remembers the window and what is above threshold
     resumed.load_state_dict(alerts.state_dict())
-    fired += resumed.check(5, {**base, "stale_dropped": 8}, trained=16)
+    fired += resumed.check(5, {**base, "stale_episodes_dropped": 8}, trained=16)
     stale = [data for kind, _, data in fired if kind == "staleness"]
     assert [a["step"] for a in stale] == [1, 5]   # crossed at 1, recovered at 4, crossed again at 5
     assert stale[0]["value"] == pytest.approx(8 / (8 + 32)) and stale[0]["threshold"] == 0.15
-    [(kind, message, data)] = resumed.check(6, {**base, "stale_dropped": 0, "mismatch_kl": 0.5}, trained=16)
+    [(kind, message, data)] = resumed.check(6, {**base, "stale_episodes_dropped": 0, "mismatch_kl": 0.5}, trained=16)
     assert kind == "mismatch" and data["metric"] == "mismatch_kl" and "0.5" in message
 
 

@@ -52,7 +52,7 @@ def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_th
     assert len(charted) >= 30, sorted(series)
     wait_until(lambda: visible_metrics(page) == charted, 10, message="a visible chart for each recorded metric")
     # those that were only in the CSV/JSON before, each in a chart of its own
-    for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_dropped",
+    for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_episodes_dropped",
                  "trainer_idle_ratio", "sampler_idle_ratio", "trained_fraction"):
         expect(page.locator(f"#chart-{name}")).to_be_visible()
     # no chat chart on a text run, no GPU chart on a CPU run, no MoE section for a dense policy
@@ -145,7 +145,7 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(page.locator("#chart-breaker_threshold")).to_have_count(0)
 
     # a flat series gets a small range around its value, not 0-100
-    flat = next(n for n in ("stale_dropped", "env_errors", "staleness_max")
+    flat = next(n for n in ("stale_episodes_dropped", "env_errors", "staleness_max")
                 if len(set(series[n]["value"])) == 1)
     lo, hi = plot(page, flat, "[u.scales.y.min, u.scales.y.max]")
     value = series[flat]["value"][0]
