@@ -7,13 +7,14 @@ from fastapi import APIRouter, Form, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import BaseModel, ValidationError, create_model
 
-from daemon.records import RunNotFound, RunRequest
+from daemon.records import RunNotFound
 from molt_engine.config import PRESETS, RunConfig
 from molt_engine.envs import ENVS, load_user_envs
 from molt_engine.serving.agents import Agent
 
 from .auth import CSRF_FIELD
 from .pages import check_csrf, guarded, render
+from .schemas import RunBody
 
 router = APIRouter(include_in_schema=False)
 
@@ -213,7 +214,7 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     # Checked even when a field could not be read (it keeps its default here): every error shows in one pass
     checked = None
     try:
-        checked = RunRequest.model_validate(wanted)
+        checked = RunBody.model_validate(wanted)
     except ValidationError as e:
         for err in e.errors():
             loc = err["loc"]
@@ -240,6 +241,8 @@ def form_field(loc: tuple, extra: dict) -> str:
     if loc[:1] != ("config",):
         return str(loc[0])
     path = tuple(str(p) for p in loc[1:])
+    if not path:  # the config as a whole: RunBody's one rule over it, LoRA on a trained base
+        return "lora"
     node = extra
     for key in path:
         if not isinstance(node, dict) or key not in node:

@@ -131,8 +131,12 @@ class Training(Scheduling, Recovery, Evaluation):
                             f"{a.clip_low:g}/{a.clip_high:g}, warm start {w.steps} at lr {w.lr:g}", profile=profile)
         for note in self.rollout.notes:
             self.sink.event("env", note)
-        if self.cfg.algo.kl_coef > 0 and not self.cfg.model.lora:  # LoRA: the base, adapters disabled (update.py)
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # The KL term's reference: the policy RL starts from, frozen. LoRA: the base with its adapters disabled
+        # (update.py) while that is it; a copy too once a warm start moves the policy, or biases train (peft keeps them)
+        lora, warm = self.cfg.model.lora, self.cfg.warm_start.steps and self.rollout.demonstrates
+        if self.cfg.algo.kl_coef > 0 and (not lora or warm or lora.bias != "none"):
+            policy = copy.deepcopy(self.model)
+            self.reference = (policy.merge_and_unload() if lora else policy).eval().requires_grad_(False)
         if found:
             self.restore(found)
         elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
@@ -142,7 +146,7 @@ class Training(Scheduling, Recovery, Evaluation):
             self.sink.event("warm_start", f"{self.cfg.warm_start.steps} supervised steps on demonstrations, final "
                             f"loss {loss:.3f}", steps=self.cfg.warm_start.steps, loss=loss)
             if self.reference is not None:
-                self.reference.load_state_dict(self.model.state_dict())
+                self.reference.load_state_dict(merged(self.model.state_dict(), lora))
         device, dtype, count = next(self.model.parameters()).device, self.cfg.model.dtype, self.model.num_parameters
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
         self.sink.event("device", f"training on {device}{name} in {dtype}", device=str(device), dtype=dtype,
