@@ -26,6 +26,7 @@ class Recovery:
                  "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
                  "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
                  "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
+                 "micro_batch_size": self.micro_batch_size,  # halved by an out-of-memory: kept across restarts
                  **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
                  "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
         t0 = time.perf_counter()
@@ -45,6 +46,7 @@ class Recovery:
         dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
         self.dropped_groups, self.requeued, self.best = state["dropped_groups"], state["requeued"], state["best"]
+        self.micro_batch_size = state.get("micro_batch_size", self.micro_batch_size)  # older checkpoints: the config's
         self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
         self.counts.update((k, v) for k, v in state["counts"].items() if k in self.counts)  # older names: left out
         self.recent_env_errors.extend(state["recent_env_errors"])
