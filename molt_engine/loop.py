@@ -87,7 +87,7 @@ class Training(Scheduling, Recovery, Evaluation):
         self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_episodes_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}                  # what train() returns: the last metrics, status, paths
-        self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
+        self.micro_batch_size = cfg.algo.micro_batch_size  # halved by each OOM in an update, for the rest of the run
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 

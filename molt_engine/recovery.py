@@ -1,4 +1,4 @@
-"""The loop's recovery: checkpoints to continue exactly (save, restore) and the breaker's trips (force sync, roll back)."""
+"""The loop's recovery: checkpoints that continue exactly (save, restore), the breaker's trips (sync, roll back)."""
 import asyncio
 import dataclasses
 import math
