@@ -7,13 +7,14 @@ from fastapi import APIRouter, Form, HTTPException, Request
 from fastapi.responses import RedirectResponse, Response
 from pydantic import BaseModel, ValidationError, create_model
 
-from daemon.records import RunNotFound, RunRequest
+from daemon.records import RunNotFound
 from molt_engine.config import PRESETS, RunConfig
 from molt_engine.envs import ENVS, load_user_envs
 from molt_engine.serving.agents import Agent
 
 from .auth import CSRF_FIELD
 from .pages import check_csrf, guarded, render
+from .schemas import RunBody
 
 router = APIRouter(include_in_schema=False)
 
@@ -216,7 +217,7 @@ def launch(request: Request, form: Annotated[LaunchForm, Form()]):
     checked = None
     for _ in range(3):
         try:
-            checked = RunRequest.model_validate(wanted)
+            checked = RunBody.model_validate(wanted)
             break
         except ValidationError as e:
             dropped = False
@@ -266,6 +267,8 @@ def form_field(loc: tuple, extra: dict, msg: str = "") -> str:
     if loc[:1] != ("config",):
         return str(loc[0])
     path = tuple(str(p) for p in loc[1:])
+    if not path and "model.lora" in msg:  # the config as a whole: RunBody's rule, LoRA on a trained base
+        return "lora"
     if not path:
         named = [(field, p) for field, p, _, _ in FORM_FIELDS if ".".join(p) in msg]
         if not named:

@@ -1,7 +1,7 @@
 """The REST API's JSON bodies (pydantic): what each route returns, as /docs and /openapi.json document them."""
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from daemon.models import STATUSES
 from daemon.records import RunRequest
@@ -228,3 +228,14 @@ class RunBody(RunRequest):
     @classmethod
     def wrap_a_bare_config(cls, data):
         return {"config": data} if isinstance(data, dict) and "config" not in data else data
+
+    @field_validator("config")
+    @classmethod
+    def lora_on_a_trained_base(cls, config):
+        """A run queued here must be able to learn: LoRA freezes the base, and every preset is randomly initialised
+        (the engine's API still trains such a run, as the tests of LoRA's mechanics do)."""
+        if config.model.lora and not config.model.path:
+            raise ValueError(f"model.lora: LoRA trains adapters on a frozen base model, and preset "
+                             f"{config.model.preset!r} is randomly initialised (untrained), so the run could not "
+                             f"learn; give model.path a trained model, or leave out model.lora to train every weight")
+        return config

@@ -122,7 +122,7 @@ class BenchSink(NullSink):
         if "eval_reward" in values and step > 0:   # part 2 evals at step 0 and on the final weights only
             self.final_eval = values["eval_reward"]
         if "reward_mean" in values:
-            self.stale_dropped += int(values.get("stale_dropped", 0))
+            self.stale_dropped += int(values.get("stale_episodes_dropped", 0))
             self.staleness.append(values.get("staleness_mean", 0.0))
             self.breaker_trips += int(values.get("breaker_tripped", 0))
             if self.timeline.record(values["reward_mean"]):

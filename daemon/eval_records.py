@@ -7,6 +7,7 @@ from sqlalchemy import create_engine, inspect, select, update
 from sqlalchemy.pool import NullPool
 from sqlmodel import Session
 
+from molt_engine.checkpoint import complete, resolve, step_of
 from molt_engine.config import RunConfig
 
 from .db import run_dir
@@ -93,17 +94,16 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
 def policy_of(run: Run, home: Path, checkpoint: str | int) -> tuple[Path, int | None]:
     """The policy directory of a run's checkpoint, and the step it is from (None where unknown)."""
     out = run_dir(home, run.id)
-    steps = sorted(int(p.name.removeprefix("step-")) for p in (out / "checkpoints").glob("step-*")
-                   if (p / "state.pt").exists())
+    steps = [step_of(p) for p in complete(out / "checkpoints")]
     if isinstance(checkpoint, int) or (checkpoint.isascii() and checkpoint.isdigit()):
         if int(checkpoint) not in steps:
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no checkpoint at step {checkpoint}; it has "
                                                f"{', '.join(map(str, steps)) or 'none'}")
-        return out / "checkpoints" / f"step-{int(checkpoint):06d}" / "policy", int(checkpoint)
-    if checkpoint == "latest":
-        if not steps:
+        return resolve(out / "checkpoints", checkpoint) / "policy", int(checkpoint)
+    if checkpoint == "latest":  # the one `latest` points to, as resume and rollback take
+        if not (found := resolve(out / "checkpoints", "latest")):
             raise EvalInvalid(("checkpoint",), f"run {run.id} has no checkpoints")
-        return out / "checkpoints" / f"step-{steps[-1]:06d}" / "policy", steps[-1]
+        return found / "policy", step_of(found)
     if checkpoint in ("best", "final"):
         # a full model; a LoRA run's without lora.save_merged: only its adapter
         path = out / checkpoint if (out / checkpoint / "config.json").exists() else out / checkpoint / "adapter"

@@ -21,7 +21,7 @@ GROUPS = {"reward": ("reward_mean", "reward_std", "pass_rate"),
                    "breaker_tripped", "lr"),
           "episode": ("response_length", "turns_mean", "tool_call_rate", "tool_errors", "env_errors",
                       "prompt_too_long"),
-          "staleness": ("staleness_max", "staleness_mean", "stale_dropped", "stale_share", "trained_fraction",
+          "staleness": ("staleness_max", "staleness_mean", "stale_episodes_dropped", "stale_share", "trained_fraction",
                         "is_filter_ratio", "groups_filtered", "mismatch_kl", "mismatch_abs", "version"),
           "speed": ("samples_per_s", "tokens_per_s", "sampler_idle_ratio", "sampler_occupancy", "trainer_idle_ratio",
                     "rss_gb")}

@@ -15,7 +15,7 @@ class Alerts:
     def check(self, step: int, metrics: dict, trained: int) -> list[tuple[str, str, dict]]:
         """Adds `stale_share` to metrics; returns the alerts to raise as (kind, message, data)."""
         cfg = self.cfg
-        self.recent_stale.append((metrics["stale_dropped"], trained))
+        self.recent_stale.append((metrics["stale_episodes_dropped"], trained))
         dropped = sum(d for d, _ in self.recent_stale)
         metrics["stale_share"] = share = dropped / max(1, dropped + sum(t for _, t in self.recent_stale))
         checks = [("stale_share", "staleness", share, cfg.stale_share,

@@ -4,12 +4,7 @@ import os
 import shutil
 from pathlib import Path
 
-import peft
-import torch
-from safetensors.torch import load_file, save_file
-
-from . import dist
-from .models import merged
+# torch, peft and the models are imported where the weights are: the dashboard finds checkpoints (resolve) without them
 
 
 def save(root: Path, step: int, model, processor, state: dict, reference=None, weights: dict | None = None,
@@ -18,6 +13,7 @@ def save(root: Path, step: int, model, processor, state: dict, reference=None, w
     else `model`'s; with `lora`, the run's model.lora, the adapter of `weights` in peft's format). A crash at any
     moment leaves either the previous complete checkpoint or this one, never a half-written directory under a
     checkpoint's name. `drills`: the run's, for drills.full_disk_at."""
+    import torch
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"step-{step:06d}", root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -45,6 +41,7 @@ def save_policy(path: Path, model, processor, weights: dict, lora=None):
     transformers; the previous contents are replaced whole. With `lora` (model.lora), `weights` are the LoRA policy's:
     its adapter goes to path/adapter in peft's format (PeftModel.from_pretrained(base, path/adapter) loads it), and the
     merged weights to path unless lora.save_merged is off."""
+    from .models import merged
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     if lora:
@@ -73,6 +70,13 @@ def latest(root: Path) -> Path | None:
     return done[-1] if (done := complete(root)) else None
 
 
+def resolve(root: Path, which: int | str) -> Path | None:
+    """The complete checkpoint under root at step `which` (a number, or its digits), or the one `latest` points to
+    ("latest"); None where there is none."""
+    found = latest(root) if which == "latest" else root / f"step-{int(which):06d}"
+    return found if found and (found / "state.pt").exists() else None
+
+
 def complete(root: Path) -> list[Path]:
     """The complete checkpoints under root (written whole: they have their state.pt), oldest first."""
     return [p for p in sorted(root.glob("step-*")) if (p / "state.pt").exists()]
@@ -84,6 +88,9 @@ def step_of(path: Path) -> int:
 
 def load(path: Path, model, reference=None) -> dict:
     """Load weights into `model` (and `reference`) in place; return the training state."""
+    import torch
+
+    from . import dist
     if (path / "policy" / "adapter_config.json").exists():  # LoRA: onto this run's base, the one it was trained on
         load_adapter(path / "policy", model)
     else:  # the policy's own class: a causal LM or a vision-language model
@@ -96,6 +103,10 @@ def load(path: Path, model, reference=None) -> dict:
 
 def load_adapter(path: Path, model):
     """Load the LoRA adapter saved at `path` into `model` (a peft model of the adapter's base) in place."""
+    import peft
+    from safetensors.torch import load_file
+
+    from . import dist
     base = peft.LoraConfig.from_pretrained(path).base_model_name_or_path
     if base != model.name_or_path:
         raise RuntimeError(f"{path.parent.name}: a LoRA adapter of {base!r}; this run's base model is {model.name_or_path!r}")
@@ -107,6 +118,8 @@ def _save_adapter(path: Path, weights: dict, lora, base: str):
     """A LoRA policy's adapter in peft's format (PeftModel.from_pretrained(base model, path) loads it): the adapter
     tensors and every bias (lora.bias may train them), named without the adapter's name, and a config naming the layers
     it adapts and its base (model.preset or model.path)."""
+    import peft
+    from safetensors.torch import save_file
     adapted = sorted({k.removeprefix("base_model.model.").split(".lora_A.")[0] for k in weights if ".lora_A." in k})
     peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=adapted, bias=lora.bias,
                     base_model_name_or_path=base).save_pretrained(path)

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 FULL = StateDictOptions(full_state_dict=True)
 SUMMED = {"samples_per_s", "tokens_per_s", "env_errors", "agent_errors", "tool_errors", "template_prefix_breaks",
-          "stale_dropped", "groups_filtered"}  # else the mean
+          "stale_episodes_dropped", "groups_filtered"}  # else the mean
 LARGEST = {"staleness_max", "grad_norm"}
 _busy_since: float | None = None  # when this rank's trainer last made progress inside a step (None: between steps)
 

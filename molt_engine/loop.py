@@ -1,11 +1,8 @@
 """The training loop: rollout workers, the sampler, the trainer and the evaluator in one asyncio.TaskGroup."""
 import asyncio
 import copy
-import dataclasses
 import gc
-import math
 import os
-import random
 import signal
 import threading
 import time
@@ -13,27 +10,24 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import checkpoint, dist, drills
 from .alerts import Alerts
-from .algo import GROUP_ESTIMATORS
 from .breaker import Breaker
 from .chat import stop_ids
 from .config import RunConfig
 from .episode import Episode
+from .evaluation import Evaluation
 from .models import load_policy, merged, routers
-from .rollout import EnvError, EnvFailure, PromptTooLong, Rollout  # EnvFailure: re-exported
+from .recovery import Finished, Recovery
+from .rollout import EnvFailure, Rollout  # EnvFailure: re-exported
 from .inference.sampler import Sampler
+from .scheduling import Scheduling
 from .inference.sampler_process import SamplerProcess
-from .samples import record, training_samples
+from .samples import training_samples
 from .sink import NullSink, Sink
-from .update import batch_metrics, eval_metrics, memory_metrics, one_per_episode, train_step_fitting
-
-
-class _Finished(Exception):
-    """Ends the TaskGroup; the summary's status says why (completed, stopped, tripped)."""
+from .update import batch_metrics, memory_metrics, train_step_fitting
 
 
 def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Path | None = None,
@@ -47,7 +41,7 @@ def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Pat
         dist.close()
 
 
-class Training:
+class Training(Scheduling, Recovery, Evaluation):
     """One training run: schedules rollout, sampling, updates, evals and checkpoints, and keeps their books."""
 
     def __init__(self, cfg: RunConfig, sink: Sink, out_dir=None):
@@ -90,10 +84,10 @@ class Training:
         self.changed = asyncio.Condition()       # buffer, version or drop counts changed
         self.recent_env_errors, self.last_env_traceback = deque(maxlen=cfg.loop.env_error_window), ""
         self.errors = "agent_errors" if self.rollout.server else "env_errors"  # the counter a failed episode adds to
-        self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_dropped": 0, "groups_filtered": 0}
+        self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_episodes_dropped": 0, "groups_filtered": 0}
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}                  # what train() returns: the last metrics, status, paths
-        self.micro_batch_size = cfg.algo.micro_batch_size  # halved for the rest of the run by each OOM in an update
+        self.micro_batch_size = cfg.algo.micro_batch_size  # halved by each OOM in an update, for the rest of the run
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
@@ -118,7 +112,7 @@ class Training:
                 for _ in range(workers):
                     tg.create_task(self.rollout_worker())
                 tg.create_task(self.trainer())
-        except* _Finished:
+        except* Finished:
             pass
         except* Exception as group:  # a task failed: raise its own exception, not the TaskGroup's wrapper
             raise group.exceptions[0] from None
@@ -137,8 +131,12 @@ class Training:
                             f"{a.clip_low:g}/{a.clip_high:g}, warm start {w.steps} at lr {w.lr:g}", profile=profile)
         for note in self.rollout.notes:
             self.sink.event("env", note)
-        if self.cfg.algo.kl_coef > 0 and not self.cfg.model.lora:  # LoRA: the base, adapters disabled (update.py)
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # The KL term's reference: the policy RL starts from, frozen. LoRA: the base with its adapters disabled
+        # (update.py) while that is it; a copy too once a warm start moves the policy, or biases train (peft keeps them)
+        lora, warm = self.cfg.model.lora, self.cfg.warm_start.steps and self.rollout.demonstrates
+        if self.cfg.algo.kl_coef > 0 and (not lora or warm or lora.bias != "none"):
+            policy = copy.deepcopy(self.model)
+            self.reference = (policy.merge_and_unload() if lora else policy).eval().requires_grad_(False)
         if found:
             self.restore(found)
         elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
@@ -148,7 +146,7 @@ class Training:
             self.sink.event("warm_start", f"{self.cfg.warm_start.steps} supervised steps on demonstrations, final "
                             f"loss {loss:.3f}", steps=self.cfg.warm_start.steps, loss=loss)
             if self.reference is not None:
-                self.reference.load_state_dict(self.model.state_dict())
+                self.reference.load_state_dict(merged(self.model.state_dict(), lora))
         device, dtype, count = next(self.model.parameters()).device, self.cfg.model.dtype, self.model.num_parameters
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
         self.published = dist.full_weights(self.model)
@@ -181,58 +179,6 @@ class Training:
             if not dist.stalled(self.cfg.dist):
                 beat()
             await asyncio.sleep(1.0)
-
-    def may_start(self) -> bool:
-        """Admission: a new group starts only if no group in flight or buffered can be more than max_staleness versions
-        old when trained (0 = one batch per version); on-policy while a breaker trip's cooldown lasts."""
-        staleness = 0 if self.breaker.cooldown_left else self.cfg.loop.max_staleness
-        return self.cursor - self.dropped_groups < (self.version + staleness + 1) * self.cfg.loop.groups_per_step
-
-    def release(self, groups: int):
-        """Groups started but never trained (failed, stale, filtered, refused) free their admission; holds `changed`."""
-        self.dropped_groups += groups
-        self.changed.notify_all()
-
-    async def rollout_worker(self):
-        while True:
-            async with self.changed:
-                await self.changed.wait_for(lambda: self.requeued or self.may_start())
-                if self.requeued:  # already counted as started when it was first admitted
-                    cursor = self.requeued.pop(0)
-                else:
-                    cursor, self.cursor = self.cursor, self.cursor + 1
-                self.in_flight.add(cursor)
-            group = await self.run_group(cursor)
-            async with self.changed:
-                self.in_flight.discard(cursor)
-                if group:
-                    self.buffer.append(group)
-                    self.changed.notify_all()
-                else:
-                    self.release(1)
-
-    async def run_group(self, cursor: int) -> list[Episode] | None:
-        """group_size episodes of one prompt, concurrently. Env failures drop the episode; too many stop the run."""
-        prompt = dist.prompt_index(cursor)  # more than one process: this rank's share of the prompts
-        seed = (self.cfg.seed << 32) + prompt
-        results = await asyncio.gather(*(self.rollout.episode(self.sampler, seed, prompt, j)
-                                         for j in range(self.cfg.loop.group_size)), return_exceptions=True)
-        episodes = []
-        for r in results:
-            if isinstance(r, EnvError):
-                self.counts["prompt_too_long" if isinstance(r, PromptTooLong) else self.errors] += 1
-                self.last_env_traceback = str(r)
-            elif isinstance(r, BaseException):
-                raise r
-            else:
-                episodes += r
-            self.recent_env_errors.append(isinstance(r, EnvError))
-        window = self.recent_env_errors
-        if len(window) == window.maxlen and sum(window) > window.maxlen / 2:
-            raise EnvFailure(f"{sum(window)} of the last {window.maxlen} episodes failed in env "
-                             f"{self.cfg.env!r}; last error:\n{self.last_env_traceback}")
-        need = 2 if self.cfg.algo.estimator in GROUP_ESTIMATORS else 1
-        return episodes if len(one_per_episode(episodes)) >= need else None
 
     async def trainer(self):
         loop, last, sampler_last = self.cfg.loop, time.perf_counter(), dict(self.sampler.stats)
@@ -286,7 +232,7 @@ class Training:
                 await self.save_checkpoint(self.version, self.published)
             self.sink.event("stopped", f"stopped at step {self.step}; resume continues from here", step=self.step)
             self.summary.update(status="stopped", step=self.step, version=self.version)
-            raise _Finished
+            raise Finished
         await self.finish()
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
@@ -301,67 +247,6 @@ class Training:
                                    self.version)
         return {**batch_metrics(groups, self.version), **metrics}, weights, samples
 
-    async def agree_stop(self, batch) -> bool:
-        """Stop now? More than one process: if any rank was asked, all stop at this step (a batch taken goes back)."""
-        stop = batch is None if dist.world() == 1 else await asyncio.to_thread(dist.any_rank, batch is None)
-        if stop and batch is not None:
-            self.buffer[:0] = batch[0]
-        self.stopping |= stop
-        return stop
-
-    async def next_batch(self) -> tuple[list[list[Episode]], float] | None:
-        """groups_per_step groups, less (counted) those too stale or without signal; None on a stop (they go back)."""
-        cfg, t0, batch = self.cfg, time.perf_counter(), []
-        while len(batch) < cfg.loop.groups_per_step:
-            async with self.changed:
-                await self.changed.wait_for(lambda: self.buffer or self.stopping)
-                if self.stopping:
-                    self.buffer[:0] = batch
-                    return None
-                group = self.buffer.pop(0)
-                stale = self.version - min(e.oldest_version for e in group) > cfg.loop.max_staleness
-                flat = cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
-                if stale or flat:
-                    self.counts["stale_dropped" if stale else "groups_filtered"] += len(group) if stale else 1
-                    self.release(1)
-                    continue
-            batch.append(group)
-        batch.sort(key=lambda g: g[0].group)  # arrival order is timing; training order must not be
-        return batch, time.perf_counter() - t0
-
-    async def on_trip(self, step: int, groups, metrics) -> dict | None:
-        """The breaker refused this update: force sync, alert, roll back (returns its weights) or give up."""
-        async with self.changed:
-            # The refused batch frees admission for a replacement; buffered episodes of older versions are dropped.
-            stale = [g for g in self.buffer if min(e.oldest_version for e in g) < self.version]
-            self.buffer = [g for g in self.buffer if g not in stale]
-            self.counts["stale_dropped"] += sum(len(g) for g in stale)
-            self.release(len(groups) + len(stale))
-        action = (f"update skipped, nothing published, {sum(len(g) for g in stale)} stale buffered episodes "
-                  f"dropped, admission on-policy for {self.cfg.breaker.cooldown} healthy steps")
-        weights = None
-        if self.breaker.recent_trips(step) >= self.cfg.breaker.max_trips:
-            good = checkpoint.latest(self.ckpt_dir) if self.ckpt_dir else None
-            if good is None or self.breaker.rollbacks >= self.cfg.breaker.max_rollbacks:
-                self.sink.alert("breaker", f"step {step}: grad norm {metrics['grad_norm']:.4g}; "
-                                f"{self.breaker.recent_trips(step)} trips, giving up: run tripped",
-                                step=step, norm=metrics["grad_norm"], threshold=metrics.get("breaker_threshold"),
-                                action="tripped")
-                self.sink.metrics(step, metrics)
-                self.summary.update(metrics, status="tripped", step=self.step, version=self.version)
-                raise _Finished
-            state = await asyncio.to_thread(checkpoint.load, good, self.model, self.reference)
-            dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-            self.breaker.trips.clear()
-            self.breaker.rollbacks += 1
-            weights = dist.full_weights(self.model)
-            action += f"; rolled back to {good.name}"
-            self.sink.event("rollback", f"step {step}: rolled back to checkpoint {good.name}", step=step, path=str(good))
-        self.sink.alert("breaker", f"step {step}: grad norm {metrics['grad_norm']:.4g} above threshold "
-                        f"{metrics.get('breaker_threshold', math.inf):.4g}; {action}", step=step,
-                        norm=metrics["grad_norm"], threshold=metrics.get("breaker_threshold"), action=action)
-        return weights
-
     def throughput(self, groups, seconds: float, waited: float, sampler_last: dict) -> dict:
         """Rates over the wall time since the previous step, and counters since then (reset after reporting)."""
         s = {k: self.sampler.stats[k] - sampler_last[k] for k in self.sampler.stats}
@@ -369,30 +254,6 @@ class Training:
         return {"samples_per_s": sum(len(g) for g in groups) / seconds, "tokens_per_s": s["tokens"] / seconds,
                 "trainer_idle_ratio": waited / seconds, "sampler_idle_ratio": min(1.0, s["idle_s"] / seconds),
                 "sampler_occupancy": s["rows"] / max(s["steps"], 1) / self.capacity, **counts}
-
-    async def evaluate(self, step: int):
-        """Greedy episodes on held-out seeds of the training env and each eval suite, all of one version (on the eval
-        sampler), never in the buffer or admission. When eval.best is the best so far, the weights go to OUT/best."""
-        weights, version = self.published, self.version
-        self.eval_sampler.publish(merged(weights, self.cfg.model.lora), version)  # swapped in before it decodes
-        async with asyncio.TaskGroup() as tg:  # its decoding fails the eval; it ends with the eval's episodes
-            decoding = tg.create_task(self.eval_sampler.run())
-            done = await asyncio.gather(*(rollout.evaluate(self.eval_sampler, n) for _, rollout, n in self.evals))
-            decoding.cancel()
-        values = {p + k: v for (p, _, _), eps in zip(self.evals, done) if eps for k, v in eval_metrics(eps).items()}
-        if values:  # else every episode failed
-            self.sink.metrics(step, values)
-            if done[0] and hasattr(self.sink, "samples"):  # not a suite's: theirs would reuse its (step, kind, position)
-                self.sink.samples(step, "eval", [record(e, self.processor, version)
-                                                 for e in done[0][:self.cfg.record.eval_samples]])
-            self.summary.update(values)
-            best = values.get(self.cfg.eval.best)  # None: this eval's episodes of that env all failed
-            if best is not None and (self.best is None or best > self.best[0]):
-                self.best = (best, step)
-                if self.out_dir:
-                    await asyncio.to_thread(checkpoint.save_policy, self.out_dir / "best", self.sampler.model,
-                                            self.processor, weights, self.cfg.model.lora)
-                    self.summary.update(best_path=str(self.out_dir / "best"), best_step=step)
 
     async def finish(self):
         """Final eval on the final weights, then save them where plain transformers can load them."""
@@ -407,44 +268,5 @@ class Training:
                                     self.cfg.model.lora)
             self.sink.event("saved", f"final policy saved to {final}", path=str(final))
             self.summary["final_path"] = str(final)
-        raise _Finished
+        raise Finished
 
-    # ---- checkpoints ----------------------------------------------------------------------------------------------
-
-    async def save_checkpoint(self, version: int, weights: dict):
-        """All needed to continue exactly (weights, optimizer, RNGs, cursor, untrained episodes); rank 0 writes."""
-        state = {"step": self.step, "version": version, "cursor": self.cursor, "dropped_groups": self.dropped_groups,
-                 "requeued": sorted(self.in_flight) + self.requeued,  # cut off mid-episode: rerun them first
-                 "buffer": [[dataclasses.asdict(e) for e in g] for g in self.buffer],
-                 "counts": dict(self.counts), "recent_env_errors": list(self.recent_env_errors),
-                 **self.alerts.state_dict(), "breaker": self.breaker.state_dict(), "best": self.best,
-                 "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
-        t0 = time.perf_counter()
-        state = await asyncio.to_thread(dist.gather_ranks, state)
-        state["optimizer"] = await asyncio.to_thread(dist.optimizer_state, self.model, self.optimizer)
-        self.saved_at = self.step
-        if dist.rank() > 0:
-            return
-        path = await asyncio.to_thread(checkpoint.save, self.ckpt_dir, self.step, self.sampler.model, self.processor,
-                                       state, self.reference, weights, self.cfg.drills, self.cfg.model.lora)
-        await asyncio.to_thread(checkpoint.prune, self.ckpt_dir, self.cfg.checkpoint.keep)
-        self.sink.checkpoint(self.step, str(path), version=version, size_bytes=checkpoint.size_bytes(path),
-                             seconds=time.perf_counter() - t0)
-
-    def restore(self, path: Path):
-        state = dist.rank_state(checkpoint.load(path, self.model, self.reference))
-        dist.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        self.step, self.version, self.cursor = state["step"], state["version"], state["cursor"]
-        self.dropped_groups, self.requeued, self.best = state["dropped_groups"], state["requeued"], state["best"]
-        self.buffer = [[Episode(**e) for e in g] for g in state["buffer"]]
-        self.counts.update(state["counts"])
-        self.recent_env_errors.extend(state["recent_env_errors"])
-        self.alerts.load_state_dict(state)
-        self.breaker.load_state_dict(state["breaker"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.saved_at = self.step
-        self.sink.event("resumed", f"resumed from {path.name}: step {self.step}, version {self.version}, "
-                        f"{sum(map(len, self.buffer))} buffered episodes, {len(self.requeued)} prompts to rerun",
-                        step=self.step, path=str(path))

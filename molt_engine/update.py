@@ -19,23 +19,26 @@ def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, st
                        micro_batch_size: int | None, **kwargs) -> tuple[tuple, int | None]:
     """train_step, started over from `published` with micro-batches half the size (down to one episode) whenever it
     runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit.
-    More than one process: the ranks agree on each try's outcome, so all of them retry together. (A rank that runs
-    out in the middle of the update leaves the others in a collective: the group's timeout ends the attempt.)"""
+    More than one process: the ranks agree on running out in a forward (_agreed_memory), so all of them retry
+    together. One that runs out elsewhere (a backward: the others are in its collectives) raises at once: its exit
+    ends the attempt (torchrun stops the others), not the group's timeout."""
     first_try = True
     while True:
         results, error = None, None
         try:
             if first_try and dist.any_rank(drills.out_of_memory(cfg.drills, step, dist.rank())):
-                raise torch.OutOfMemoryError(f"drills.oom_at: out of memory injected at step {step}")
+                raise _Agreed(f"drills.oom_at: out of memory injected at step {step}")
             results = train_step(model, optimizer, groups, cfg, step=step, published=published,
                                  micro_batch_size=micro_batch_size, **kwargs)
         except torch.OutOfMemoryError as e:
+            if dist.world() > 1 and not isinstance(e, _Agreed):
+                raise
             error = e
         if not dist.any_rank(error is not None):
             return results, micro_batch_size
         largest = micro_batch_size or sum(len(g) for g in groups)
         if largest == 1:
-            raise error or torch.OutOfMemoryError("another rank ran out of memory with micro-batches of 1")
+            raise error
         # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
         optimizer.zero_grad(set_to_none=True)
         dist.load_weights(model, published)
@@ -82,7 +85,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
         part.pad(int(count))
     with torch.no_grad(), _autocast(cfg, device):  # the proximal log-probs of minibatches after the first
         for part in parts[1:]:                     # before any optimizer step
-            part.prox = [_logprobs(model, batch, cfg, stats=False)[0] for batch in part.batches]
+            for k, batch in enumerate(part.batches):
+                with _agreed_memory():
+                    part.prox[k] = _logprobs(model, batch, cfg, stats=False)[0]
     threshold = breaker.threshold()
     coef = algo.router_aux_coef if algo.router_aux_coef is not None else getattr(model.config, "router_aux_loss_coef", 0.0)
     norms, runs = [], []
@@ -90,7 +95,7 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
         optimizer.zero_grad(set_to_none=True)
         first, run = not norms, {}
         for k, batch in enumerate(part.batches):  # micro-batches: their gradients add up to the minibatch's
-            with _autocast(cfg, device):
+            with _autocast(cfg, device), _agreed_memory():
                 logp, aux, moe_metrics = _logprobs(model, batch, cfg, stats=True)
                 ref_logp = None
                 if algo.kl_coef > 0:  # LoRA: no reference copy; the base is the policy with its adapters disabled
@@ -163,6 +168,23 @@ class _Minibatch:
         """Repeat the first micro-batch (weighted 0 in the loss) until there are `count`."""
         extra = count - len(self.batches)
         self.batches, self.advs, self.prox = (x + x[:1] * extra for x in (self.batches, self.advs, self.prox))
+
+
+class _Agreed(torch.OutOfMemoryError):
+    """Out of memory on some rank, raised by every rank together, so that all retry."""
+
+
+@contextlib.contextmanager
+def _agreed_memory():
+    """Around forwards, which every rank runs as often: if one rank ran out of memory, all raise here, before the next
+    collective (a backward, a forward's buffer sync) where the others would wait for it until the group's timeout."""
+    error = None
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        error = e
+    if dist.any_rank(error is not None):
+        raise _Agreed(f"out of memory in a forward{'' if error else ' on another rank'}") from error
 
 
 def _autocast(cfg, device):

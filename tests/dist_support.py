@@ -1,7 +1,6 @@
-"""One update on a fixed global batch, in one process or as a rank of
-`torchrun --nproc-per-node 2 tests/dist_support.py OUT STRATEGY [spike] [micro] [oom] [reinforce]`, which writes each
-rank's result to OUT/rank-R.pt for tests/test_dist.py (with a reduction of metrics only some ranks report, and
-the stall watch)."""
+"""One update on a fixed global batch, in one process or as a rank of `torchrun --nproc-per-node 2
+tests/dist_support.py OUT STRATEGY [spike] [micro] [oom] [forward-oom] [reinforce]`, which writes each rank's result
+to OUT/rank-R.pt for tests/test_dist.py (with a reduction of metrics only some ranks report, and the stall watch)."""
 import sys
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_minibatches import make_cfg, sampled_groups  # noqa: E402
 
+import molt_engine.update as update_mod  # noqa: E402
 from molt_engine import dist  # noqa: E402
 from molt_engine.breaker import Breaker  # noqa: E402
 from molt_engine.models import char_tokenizer, load_policy  # noqa: E402
@@ -19,7 +19,8 @@ from molt_engine.update import train_step_fitting  # noqa: E402
 
 def config(strategy="ddp", *flags):
     """spike: rank 0's gradient spikes; micro: micro-batches of 2 in 2 minibatches; oom: rank 1 runs out of memory
-    once; reinforce: the batch-level baseline."""
+    once (the drill, before the update); forward-oom: rank 1 runs out in its first training forward, a real
+    torch.OutOfMemoryError in the middle of the update; reinforce: the batch-level baseline."""
     algo = {"micro_batch_size": 2, "minibatches": 2} if "micro" in flags else {}
     if "reinforce" in flags:
         algo["estimator"] = "reinforce_baseline"
@@ -53,6 +54,16 @@ def step(cfg) -> dict:
 if __name__ == "__main__":
     cfg = config(*sys.argv[2:])
     dist.init(cfg.dist)
+    if "forward-oom" in sys.argv[2:] and dist.rank() == 1:
+        real, calls = update_mod._logprobs, []
+
+        def out_of_memory(model, batch, cfg, stats):  # the model's forward ran (its collectives too), then this
+            calls.append(stats)
+            result = real(model, batch, cfg, stats)
+            if stats and calls.count(True) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected after the first training forward)")
+            return result
+        update_mod._logprobs = out_of_memory
     result = step(cfg)
     # An env metric and a count only rank 1's episodes reported, a name only rank 0 has, a mean over both
     result["reduced"] = dist.reduce_metrics({"reward_mean": float(dist.rank()), "tool_errors": 2.0,

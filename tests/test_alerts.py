@@ -1,8 +1,10 @@
 """The no-learning-signal alert: fires after a window of steps without a gradient, clears when it returns, resumes."""
+import pytest
+
 from molt_engine import Env, NullSink, Observation, Result, RunConfig, register, train
 from molt_engine.alerts import Alerts
 
-QUIET = {"stale_dropped": 0, "staleness_max": 0.0, "mismatch_kl": 0.0}
+QUIET = {"stale_episodes_dropped": 0, "staleness_max": 0.0, "mismatch_kl": 0.0}
 
 
 def step_metrics(grad_norm: float, reward_std: float, pass_rate: float = 0.0) -> dict:
@@ -70,3 +72,17 @@ def test_a_real_run_without_reward_signal_raises_the_alert_through_its_sink():
     assert all(s["grad_norm"] == 0 and s["reward_std"] == 0 for s in sink.steps.values())
     [alert] = [a for a in sink.alerts if a["kind"] == "no_signal"]
     assert alert["step"] == 2 and alert["value"] == 3 and "no learning signal for 3 steps" in alert["message"]
+
+
+@pytest.mark.timeout(120)  # before: every group filtered, sampling forever without a metric
+def test_filtering_every_group_counts_them_and_steps_go_on_without_signal():
+    """algo.filter_zero_variance when every group is flat: at most a batch's worth is filtered per step (counted in
+    groups_filtered), then the step trains the next batch as it comes, without signal, and the alert fires."""
+    sink = Recorder()
+    summary = train({"env": "test_flat_reward", "algo": {"filter_zero_variance": True}, "alerts": {"no_signal_steps": 3},
+                     "loop": {"steps": 4, "groups_per_step": 2, "group_size": 2, "eval_every": 0}}, sink)
+    assert summary["status"] == "completed" and sorted(sink.steps) == [0, 1, 2, 3]
+    assert [s["groups_filtered"] for s in sink.steps.values()] == [2, 2, 2, 2]
+    assert all(s["grad_norm"] == 0 for s in sink.steps.values())
+    [alert] = [a for a in sink.alerts if a["kind"] == "no_signal"]
+    assert alert["step"] == 2

@@ -44,9 +44,9 @@ def test_the_staleness_alert_threshold_has_its_own_name_and_the_old_key_still_lo
     assert "staleness_reaches" in new.model_dump()["alerts"] and "staleness_max" not in new.model_dump()["alerts"]
     for cfg in (new, old):
         [(kind, message, data)] = Alerts(cfg.alerts).check(
-            3, {"staleness_max": 2.0, "mismatch_kl": 0.0, "stale_dropped": 0}, trained=16)
+            3, {"staleness_max": 2.0, "mismatch_kl": 0.0, "stale_episodes_dropped": 0}, trained=16)
         assert kind == "staleness" and data["metric"] == "staleness_max" and data["threshold"] == 2
-    assert Alerts(config().alerts).check(3, {"staleness_max": 9.0, "mismatch_kl": 0.0, "stale_dropped": 0}, 16) == []
+    assert Alerts(config().alerts).check(3, {"staleness_max": 9.0, "mismatch_kl": 0.0, "stale_episodes_dropped": 0}, 16) == []
 
 
 def test_cli_model_flags_pick_the_policy_and_keep_the_configs_other_model_settings(tmp_path):

@@ -22,6 +22,7 @@ from daemon.eval_records import ENDED, EvalRequest, get_eval, queue_eval, stop_e
 from daemon.models import Sample
 from daemon.records import Records
 from daemon.sink import DbSink
+from molt_engine import checkpoint
 from molt_engine.scores import pass_at_k, scores
 
 
@@ -90,12 +91,17 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         assert client.get("/api/v1/evals", params={"run_id": other["id"]}).json() == []
         assert client.get("/api/v1/evals", params={"run_idd": 1}).status_code == 422
 
-        # a valid one is queued (201) and listed under its run; stopped while queued, it is stopped at once
+        # a valid one is queued (201) and listed under its run; stopped while queued, it is stopped at once. "latest"
+        # is the checkpoint the `latest` pointer names (as resume takes it; the worker points it back to the
+        # records), not the highest step
+        root = run_dir(tmp_path, other["id"]) / "checkpoints"
+        checkpoint.point_latest(root, root / "step-000005")
         created = client.post("/api/v1/evals", json={"run_id": other["id"], "checkpoint": "latest", "episodes": 8,
                                                      "k": 2, "temperature": 1.0})
         assert created.status_code == 201, created.text
         evaluation = created.json()
-        assert evaluation["step"] == 10 and evaluation["config"]["env"] == "max_digit"
+        assert evaluation["step"] == 5 and evaluation["config"]["env"] == "max_digit"
+        assert evaluation["policy_path"] == str(root / "step-000005" / "policy")
         assert [e["id"] for e in client.get("/api/v1/evals", params={"run_id": other["id"]}).json()] == \
             [evaluation["id"]]
         stopped = client.post(f"/api/v1/evals/{evaluation['id']}/stop")
@@ -115,7 +121,7 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         queued = client.post("/evals", data={**form, "checkpoint": "5"}, headers={"Origin": studio.base})
         assert queued.status_code == 303 and queued.headers["location"] == f"/evals?run_id={other['id']}"
         listed = client.get("/api/v1/evals", params={"run_id": other["id"]}).json()
-        assert [e["step"] for e in listed] == [5, 10]
+        assert [e["step"] for e in listed] == [5, 5]  # at step 5 (the form), and "latest" above
         client.post(f"/api/v1/evals/{listed[0]['id']}/stop")  # its checkpoint is an empty stand-in: never run it
         table = client.get("/evals.csv", params={"run_id": other["id"]}).text.splitlines()
         assert table[0].startswith("id,run_id,checkpoint,step,env,episodes,k,temperature,status") and len(table) == 3

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import wait_until
-from molt_engine import RunConfig, train
+import molt_engine.update as update_mod
+from molt_engine import RunConfig, checkpoint, train
 from molt_engine.config import ValidationError, config_errors
 from daemon.models import Run
 from daemon.supervisor import Supervisor
@@ -94,6 +95,23 @@ def test_micro_batches_accumulate_the_same_update_and_an_oom_splits_the_step(tmp
     assert summary["status"] == "completed" and sorted(oom.steps) == [0, 1, 2]
     events = [e for e in oom.events if e["kind"] == "oom"]
     assert [(e["step"], e["micro_batch_size"]) for e in events] == [(1, 8)], events  # 16 episodes, halved
+
+
+def test_the_micro_batch_size_an_oom_halved_is_kept_across_a_restart(tmp_path, monkeypatch):
+    """drills.oom_at 1 halves the whole minibatch (16 episodes) to 8; the checkpoint keeps 8, so the restarted run
+    trains with 8 rather than running out again at the config's size."""
+    cfg = config(loop={"steps": 2}, drills={"oom_at": [1]}, checkpoint={"every": 2})
+    train(cfg, Recorder(), tmp_path)
+    state = torch.load(checkpoint.latest(tmp_path / "checkpoints") / "state.pt", weights_only=False)
+    assert state["micro_batch_size"] == 8
+    sizes, real = [], update_mod.train_step
+
+    def spy(*args, micro_batch_size, **kw):
+        sizes.append(micro_batch_size)
+        return real(*args, micro_batch_size=micro_batch_size, **kw)
+    monkeypatch.setattr(update_mod, "train_step", spy)
+    train({**cfg, "loop": {**cfg["loop"], "steps": 4}}, Recorder(), tmp_path, resume=True)
+    assert sizes == [8, 8]
 
 
 def test_kv_budget_queues_requests_beyond_it_and_all_finish():

@@ -368,7 +368,7 @@ def test_bounded_staleness_drops_and_counts(capture, monkeypatch, registered):
     for values in steps:
         assert values["staleness_max"] <= k
     assert max(v["staleness_max"] for v in steps) == k       # rollout really overlapped training
-    assert sum(v["stale_dropped"] for v in steps) == 4       # group 0 (4 episodes) came back too stale
+    assert sum(v["stale_episodes_dropped"] for v in steps) == 4       # group 0 (4 episodes) came back too stale
     trained_groups = {ep.group for episodes, _ in capture["batches"] for ep in episodes}
     assert 0 not in trained_groups
 
@@ -726,7 +726,7 @@ def test_a_prompt_without_room_for_a_reply_is_counted_as_too_long_not_as_stale(r
     summary = train({"env": "test_verbose", "loop": {**SMALL, "steps": 4}, "warm_start": {"steps": 0}}, Sink())
     assert summary["status"] == "completed"
     assert sum(r["prompt_too_long"] for r in Sink.rows) >= 4  # prompt 0's group at least: 4 episodes
-    assert sum(r["stale_dropped"] for r in Sink.rows) == 0 and "staleness" not in Sink.alerts
+    assert sum(r["stale_episodes_dropped"] for r in Sink.rows) == 0 and "staleness" not in Sink.alerts
     assert all(r["env_errors"] == 0 for r in Sink.rows)
     with pytest.raises(loop_mod.EnvFailure, match=r"the prompt is \d+ tokens: .* does not fit the context \(512\)"):
         train({"env": "test_verbose", "env_args": {"every": 1}, "loop": {**SMALL, "steps": 4},

@@ -12,9 +12,9 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import molt_engine.update as update_mod
-from molt_engine import RunConfig, checkpoint, train
+from molt_engine import Env, Observation, Result, RunConfig, checkpoint, train
 from molt_engine.config import ModelConfig, ValidationError, config_errors
-from molt_engine.models import load_policy
+from molt_engine.models import load_policy, merged
 from app_support import hook, logged_in, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from test_invariants import SMALL, Echo, capture, merging_model_dir, registered, trained_as_sampled  # noqa: F401
@@ -81,6 +81,44 @@ def test_invariants_hold_with_lora(tmp_path, capture, registered):
         assert mask.any() and (logp[mask] - behav[mask]).abs().max() <= 1e-5
 
 
+class Parity(Env):
+    """A reward of the answer's length's parity: a signal for any policy, so the first updates move the weights."""
+    name = "test_parity"
+    max_turns, max_tokens = 1, 4
+
+    async def reset(self, seed):
+        return Observation("say anything:")
+
+    async def step(self, action):
+        return Result(reward=float(len(action) % 2), terminated=True)
+
+
+@pytest.mark.parametrize("case", ["warm start", "trained biases"])
+def test_the_kl_reference_is_the_policy_rl_starts_from(tmp_path, monkeypatch, registered, case):
+    """The KL term measures against the policy RL starts from, as with full fine-tuning: after a warm start (which
+    moves the adapters), and with lora.bias all (peft keeps trained biases on when it disables the adapters), that is
+    not the base with the adapters disabled but a frozen copy of the policy at the first update."""
+    seen, real = {}, update_mod.train_step
+
+    def spy(model, optimizer, groups, cfg, **kw):
+        seen.setdefault("start", ({k: v.clone() for k, v in merged(model.state_dict(), cfg.model.lora).items()},
+                                  kw["reference"]))
+        seen.update(model=model, lora=cfg.model.lora)
+        return real(model, optimizer, groups, cfg, **kw)
+    monkeypatch.setattr(update_mod, "train_step", spy)
+    warm, biases = case == "warm start", case == "trained biases"
+    model = {"preset": "tiny-chat", "lora": {"r": 4, "bias": "all"}} if biases else {"lora": {"r": 4}}  # Qwen2: biases
+    registered(Parity)
+    train({**LORA, "env": "test_parity" if biases else "max_digit", "model": model, "algo": {"lr": 3e-3, "kl_coef": 0.1}, "loop": {**SMALL, "steps": 3},
+           "warm_start": {"steps": 3 if warm else 0}, "checkpoint": {"every": 0}}, out_dir=tmp_path)
+    start, reference = seen["start"]
+    assert reference is not None and not any(p.requires_grad for p in reference.parameters())
+    assert all(torch.equal(reference.state_dict()[k], v) for k, v in start.items())  # and still, after 3 updates
+    base = load_policy(ModelConfig(**{k: v for k, v in model.items() if k != "lora"}), seed=0)[0].state_dict()
+    moved = merged(seen["model"].state_dict(), seen["lora"]) if biases else start  # by RL's updates, by the warm start
+    assert any(not torch.equal(base[k], v) for k, v in moved.items() if k.endswith(".bias" if biases else "weight"))
+
+
 def test_checkpoint_is_the_adapter_and_a_tenth_of_a_full_one(lora_run, tmp_path):
     out = lora_run[0]
     lora_ckpt = checkpoint.latest(out / "checkpoints")
@@ -90,7 +128,9 @@ def test_checkpoint_is_the_adapter_and_a_tenth_of_a_full_one(lora_run, tmp_path)
     for ckpt in (lora_ckpt, checkpoint.latest(tmp_path / "checkpoints")):  # both with Adam's moments
         assert torch.load(ckpt / "state.pt", weights_only=False)["optimizer"]["state"]
     full = checkpoint.size_bytes(checkpoint.latest(tmp_path / "checkpoints"))
-    assert full >= 10 * checkpoint.size_bytes(lora_ckpt), (full, checkpoint.size_bytes(lora_ckpt))
+    # less the KL term's reference, which lora_run's warm start made a whole model, as a full run with the KL term has
+    lora = checkpoint.size_bytes(lora_ckpt) - checkpoint.size_bytes(lora_ckpt / "reference")
+    assert full >= 10 * lora, (full, lora)
 
 
 def final_loads_with_peft_and_with_plain_transformers(out):
@@ -171,9 +211,27 @@ def test_moe_and_vlm_train_adapters_only(tmp_path):
     assert all(torch.equal(saved[k], v) for k, v in base.state_dict().items() if "vision_tower" in k)
 
 
-def test_the_launch_form_has_a_lora_section_and_the_runs_list_shows_the_rank(web):
+def test_lora_on_a_preset_is_refused_at_submission_naming_the_untrained_base(web):
+    """Every preset is randomly initialised and LoRA freezes it: such a run would never learn, so neither the REST
+    API nor the launch form queues it; the engine's own API still trains it (as these tests of LoRA's mechanics do)."""
+    response = web["client"].post("/api/v1/runs", json={"config": {**LORA, "model": {"lora": {"r": 8}}}})
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "config"] and "model.lora: LoRA" in error["msg"]
+    assert "preset 'tiny-dense' is randomly initialised (untrained)" in error["msg"]
     browser, csrf = logged_in(web)
-    form = {"env": "max_digit", "preset": "tiny-dense", "name": "lora-form", "csrf_token": csrf, "lora_r": "16",
+    response = browser.post("/runs/new", data={"env": "max_digit", "preset": "tiny-dense", "csrf_token": csrf,
+                                               "lora_r": "8"})
+    assert response.status_code == 422
+    assert "randomly initialised (untrained)" in dict(re.findall(r'data-field="(\w+)">([^<]*)<', response.text))["lora"]
+
+
+def test_the_launch_form_has_a_lora_section_and_the_runs_list_shows_the_rank(web, tmp_path):
+    browser, csrf = logged_in(web)
+    base, tokenizer = load_policy(ModelConfig(preset="tiny-dense"), seed=0)  # a trained base, as far as LoRA knows
+    base.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    form = {"env": "max_digit", "path": str(tmp_path), "name": "lora-form", "csrf_token": csrf, "lora_r": "16",
             "lora_alpha": "32", "lora_target_modules": "q_proj, v_proj"}
     response = browser.post("/runs/new", data={**form, "lora_r": "sixteen"})
     assert response.status_code == 422

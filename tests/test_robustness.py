@@ -17,7 +17,7 @@ import molt_engine.loop as loop_mod
 import molt_engine.rollout as rollout_mod
 import molt_engine.update as update_mod
 from molt_engine import EnvFailure, NullSink, RunConfig, train
-from molt_engine import checkpoint
+from molt_engine import checkpoint, dist
 from molt_engine.alerts import Alerts
 from molt_engine.breaker import Breaker
 from molt_engine.inference.sampler import Request, Sampler
@@ -300,7 +300,7 @@ def test_spike_drill_skips_update_alerts_and_forces_sync(monkeypatch):
     assert alert["step"] == k and alert["norm"] == trip["grad_norm"] and alert["threshold"] == trip["breaker_threshold"]
     assert "skipped" in alert["action"]
     # Stale buffered episodes were dropped and counted at the trip.
-    assert trip["stale_dropped"] > 0
+    assert trip["stale_episodes_dropped"] > 0
     # During the cooldown, admission was strictly on-policy (no off-policy episodes were started).
     cooling = [(n, v) for left, n, v in admissions if left > 0]
     assert cooling and all(n < (v + 1) * B for n, v in cooling)
@@ -341,6 +341,16 @@ def test_repeated_spikes_roll_back_then_persistent_spikes_trip(tmp_path):
     assert sink.alerts[-1]["action"] == "tripped" and summary["step"] == 16  # 3 trips, rollback, 3 more trips
 
 
+def test_ranks_agree_on_the_checkpoint_a_rollback_restores(tmp_path, monkeypatch):
+    """As on resume: every rank must roll back to the same checkpoint. Here another rank sees another one (a node
+    without the run's directory): the run stops naming both instead of each rank restoring its own."""
+    monkeypatch.setattr(dist, "all_gather", lambda value: [value] if value is None else [value, "step-000099"])
+    cfg = config(loop={"steps": 8}, drills={"spike_at": [4, 5, 6]}, checkpoint={"every": 2},
+                 breaker={"min_history": 3, "abs_max": 100.0, "max_trips": 3, "max_rollbacks": 1})
+    with pytest.raises(RuntimeError, match=r"the ranks see different checkpoints .*step-000099"):
+        train(cfg, Recorder(), out_dir=tmp_path)
+
+
 def test_healthy_default_runs_never_trip():
     sink = Recorder()
     train({"env": "max_digit", "loop": {"steps": 40, "eval_every": 0}}, sink)
@@ -355,14 +365,14 @@ def test_staleness_alert_fires_once_per_crossing_and_resumes():
     base = {"staleness_max": 0.0, "mismatch_kl": 0.0}
     fired = []
     for step, dropped in enumerate([0, 8, 8, 0, 0]):
-        fired += alerts.check(step, {**base, "stale_dropped": dropped}, trained=16)
+        fired += alerts.check(step, {**base, "stale_episodes_dropped": dropped}, trained=16)
     resumed = Alerts(alerts.cfg)  # a resumed run remembers the window and what is above threshold
     resumed.load_state_dict(alerts.state_dict())
-    fired += resumed.check(5, {**base, "stale_dropped": 8}, trained=16)
+    fired += resumed.check(5, {**base, "stale_episodes_dropped": 8}, trained=16)
     stale = [data for kind, _, data in fired if kind == "staleness"]
     assert [a["step"] for a in stale] == [1, 5]   # crossed at 1, recovered at 4, crossed again at 5
     assert stale[0]["value"] == pytest.approx(8 / (8 + 32)) and stale[0]["threshold"] == 0.15
-    [(kind, message, data)] = resumed.check(6, {**base, "stale_dropped": 0, "mismatch_kl": 0.5}, trained=16)
+    [(kind, message, data)] = resumed.check(6, {**base, "stale_episodes_dropped": 0, "mismatch_kl": 0.5}, trained=16)
     assert kind == "mismatch" and data["metric"] == "mismatch_kl" and "0.5" in message
 
 

@@ -63,7 +63,7 @@ def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_th
     for name in constants:  # a constant metric is listed with its one value
         assert len(set(series[name]["value"])) == 1 and len(series[name]["value"]) >= 3
     # those that were only in the CSV/JSON before, each in a chart of its own (or the constant line)
-    for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_dropped",
+    for name in ("pass_rate", "reward_std", "clip_ratio", "kl_ref", "lr", "eval_pass_rate", "stale_episodes_dropped",
                  "trainer_idle_ratio", "sampler_idle_ratio", "trained_fraction"):
         if name not in constants:
             expect(page.locator(f"#chart-{name}")).to_be_visible()
@@ -161,7 +161,7 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     expect(page.locator("#chart-breaker_threshold")).to_have_count(0)
 
     # a flat series (folded into the constant line: a click shows its chart) gets a small range around its value
-    flat = next(n for n in ("stale_dropped", "env_errors", "staleness_max")
+    flat = next(n for n in ("stale_episodes_dropped", "env_errors", "staleness_max")
                 if len(set(series[n]["value"])) == 1)
     page.locator(f".folded-constant button[data-chart={flat}]").click()
     expect(page.locator(f"#chart-{flat}")).to_be_visible()
