@@ -35,7 +35,7 @@ from chat_overhead import Rates
 
 from molt_engine import register, train
 from molt_engine.config import AlgoConfig
-from molt_engine.envs import _parse_int, calculator, calculator_question
+from molt_engine.builtin_envs import _parse_int, calculator, calculator_question
 from molt_engine.serving.agents import CALCULATOR, CalculatorAgent
 
 IN_FLIGHT = 64

@@ -3,7 +3,7 @@ from .config import RunConfig, config_errors
 from .envs import ENVS, Env, Observation, Result, load_agents_dir, register
 from .serving.agents import Agent, AgentContext  # registers the calculator agent
 from .sink import NullSink, Sink
-from . import data  # noqa: E402,F401  registers the dataset env
+from . import builtin_envs, data  # noqa: E402,F401  register the built-in envs and the dataset env
 
 __all__ = ["ENVS", "Agent", "AgentContext", "Env", "EnvFailure", "NullSink", "Observation", "Result", "RunConfig",
            "Sink", "config_errors", "load_agents_dir", "register", "train"]

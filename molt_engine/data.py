@@ -9,7 +9,9 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, Observation, Result, calculator_question, register, resolve
+from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, Observation, Result, register, resolve
+
+from .builtin_envs import calculator_question
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 STRICT = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)")
@@ -232,7 +234,7 @@ def word_problems(rows: int, seed: int) -> list[dict]:
 def chat_corpus():
     """Text the tiny-chat tokenizer learns its merges from: the chat template's frame around the built-in chat envs'
     conversations (a calculator tool call and its result, word problems)."""
-    from .envs import calculator
+    from .builtin_envs import calculator
     tools = f"<|im_start|>system\n# Tools\ncalculator(expression): {calculator.__doc__.splitlines()[0]}\n<|im_end|>\n"
     rng = random.Random(0)
     for _ in range(3000):

@@ -13,7 +13,8 @@ from molt_engine import Env, Observation, Result, RunConfig, train
 from molt_engine.chat import Template, hermes, run_tools, stop_ids
 from molt_engine.config import ModelConfig
 from molt_engine.data import word_problems
-from molt_engine.envs import DEMO_SEEDS, calculator
+from molt_engine.envs import DEMO_SEEDS
+from molt_engine.builtin_envs import calculator
 from molt_engine.models import CHAT_TEMPLATE, _chat_bpe, chat_tokenizer, load_policy
 from molt_engine.rollout import Rollout
 from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
@@ -193,7 +194,7 @@ def test_calculator_demonstrations_answer_in_the_head_for_their_mental_share():
 
     from molt_engine import RunConfig
     from molt_engine.serving.agents import CalculatorAgent
-    from molt_engine.envs import ChatCalculator
+    from molt_engine.builtin_envs import ChatCalculator
 
     def calls(demo):
         return any(m.get("tool_calls") for m in demo)

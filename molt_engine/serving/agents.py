@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # httpx and openai load only with the agent server and the agents that use them
     import httpx
 
-from ..envs import ChatCalculator, Env, _parse_int, calculator, calculator_question, register
+from ..envs import Env, register
+
+from ..builtin_envs import ChatCalculator, _parse_int, calculator, calculator_question
 
 
 @dataclass
