@@ -20,6 +20,7 @@ from markupsafe import escape
 from daemon.eval_records import list_evals
 from daemon.records import Conflict, RunNotFound
 from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
+from daemon.trackers import flat_config
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
@@ -346,7 +347,7 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
             runs.append(records.get_run(run_id))
         except RunNotFound:
             pass
-    leaves = [flatten(r["config"]) for r in runs]
+    leaves = [flat_config(r["config"]) for r in runs]
     keys = sorted(set().union(*leaves)) if leaves else []
     rows = [(k, [lv.get(k, "—") for lv in leaves]) for k in keys]
     differing = [(k, vals) for k, vals in rows if len({json.dumps(v) for v in vals}) > 1]
@@ -376,14 +377,6 @@ BEST_EVAL = (select(Metric.value, Metric.step).where(Metric.run_id == bindparam(
              .order_by(Metric.value.desc(), Metric.step).limit(1))
 
 
-def flatten(config: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 async def invalid_page(request: Request, errors: list[dict], status: int) -> Response:

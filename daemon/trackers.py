@@ -179,12 +179,13 @@ class Feed:
         os.replace(part, self.state_path)
 
 
-def _flat(config: dict, prefix="") -> dict:
-    """{"loop": {"steps": 3}} -> {"loop.steps": 3}, as MLflow's params and TensorBoard's text want it."""
+def flat_config(config: dict, prefix="") -> dict:
+    """{"loop": {"steps": 3}} -> {"loop.steps": 3}, as MLflow's params, TensorBoard's text and compare's config diff
+    want it."""
     out = {}
     for k, v in config.items():
         if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_config(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -252,7 +253,7 @@ class Mlflow:
             run = self.client.create_run(eid, run_name=c.run_name or run_name, tags=c.tags)
             self.id = state["id"] = run.info.run_id
             params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000])  # MLflow's longest value
-                      for k, v in _flat(cfg.model_dump(mode="json")).items()]
+                      for k, v in flat_config(cfg.model_dump(mode="json")).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 self.client.log_batch(self.id, params=params[i:i + 100])
         uri = self.client.tracking_uri
@@ -289,7 +290,7 @@ class Tensorboard:
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(cfg.report.tensorboard.log_dir or str(Path(out_dir) / "tensorboard"))
         if not state.get("started"):
-            config = "\n".join(f"    {k}: {v}" for k, v in _flat(cfg.model_dump(mode="json")).items())
+            config = "\n".join(f"    {k}: {v}" for k, v in flat_config(cfg.model_dump(mode="json")).items())
             self.writer.add_text("config", config, 0)
             state["started"] = True
 
