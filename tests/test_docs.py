@@ -102,8 +102,8 @@ def parse(words: list[str], monkeypatch) -> None:
         runpy.run_path(str(ROOT / words[1]), run_name="__main__")
 
 
-@pytest.mark.parametrize("page, words, inline", COMMANDS, ids=[f"{p}: {' '.join(w)[:80]}" for p, w, _ in COMMANDS])
-def test_every_documented_command_parses(page, words, inline, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("doc, words, inline", COMMANDS, ids=[f"{p}: {' '.join(w)[:80]}" for p, w, _ in COMMANDS])
+def test_every_documented_command_parses(doc, words, inline, monkeypatch, capsys, tmp_path):
     """A command of a code block must parse whole. One named in the prose (`molt train --report-to`) may leave out
     values and required flags, so there it is enough that its program has every flag it names."""
     monkeypatch.chdir(tmp_path)  # where relative paths land, should a program act before it parses
@@ -133,7 +133,7 @@ def test_every_documented_command_parses(page, words, inline, monkeypatch, capsy
         return
     except SystemExit:
         error = capsys.readouterr().err.strip()
-    assert inline, f"{page}: `{' '.join(words)}` does not parse: {error}"
+    assert inline, f"{doc}: `{' '.join(words)}` does not parse: {error}"
     path = [w for w in words[1:words.index(next((w for w in words if w.startswith("-")), words[-1]))]]
     if not all(re.fullmatch(r"[a-z][a-z-]*", w) for w in path):
         return  # prose quoting an error message (`molt runs: cannot reach ...`), not a command
@@ -141,7 +141,7 @@ def test_every_documented_command_parses(page, words, inline, monkeypatch, capsy
         parse([words[0], *path, "--help"], monkeypatch)
     usage = capsys.readouterr().out
     missing = [w.split("=")[0] for w in words if w.startswith("--") and w.split("=")[0] not in usage]
-    assert not missing, f"{page}: `{' '.join(words)}`: `{' '.join([words[0], *path])}` has no {missing}"
+    assert not missing, f"{doc}: `{' '.join(words)}`: `{' '.join([words[0], *path])}` has no {missing}"
 
 
 def test_the_docs_show_commands_of_every_kind():
