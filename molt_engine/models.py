@@ -155,7 +155,11 @@ def load_policy(model_cfg, seed: int):
         router.replay = None
         router.register_forward_hook(_route)
     model.to(device).train(model_cfg.dropout)
-    if model_cfg.path if model_cfg.gradient_checkpointing is None else model_cfg.gradient_checkpointing:
+    moe, checkpointing = routers(model), model_cfg.gradient_checkpointing
+    if checkpointing and moe:
+        raise ValueError("model.gradient_checkpointing: not with an MoE policy (the backward's recompute would route "
+                         "freely, not through the experts the sampler used)")
+    if checkpointing or (checkpointing is None and model_cfg.path and not moe):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for layer in model.modules():  # a layer checkpoints in training mode only: its own flag, not its submodules'
             if isinstance(layer, GradientCheckpointingLayer):  # (so dropout stays off); no-grad forwards run as is
