@@ -10,7 +10,8 @@ molt_engine as it was at --before (git archive), the trainer with the whole [tok
 tree's. "+gc" turns on transformers' gradient checkpointing (what model.gradient_checkpointing does). Reported apart:
 weights (4 bytes/param), gradients (4) and AdamW's two moments (8), computed from the parameter count, and the rest of
 the peak above the process's memory before the model was built (activations, logits, temporaries; at its end
-train_step copies the weights to publish, once the gradients are freed). glibc's malloc gives blocks over 128 KB
+train_step copies the weights to publish, once the gradients are freed); and the same up to the end of the backward
+pass (the first optimizer step's pre-hook: weights and gradients exist, AdamW's moments not yet). glibc's malloc gives blocks over 128 KB
 back to the system when freed (MALLOC_MMAP_THRESHOLD_), so the RSS follows what is alive, not what was once used.
 """
 import argparse
@@ -56,6 +57,8 @@ def child(tokens: int, checkpointing: bool) -> dict:
         ep.info = {"success": False, "entropy": 0.0, "tool_calls": 0, "turns": 1}
         group.append(ep)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    backward = []  # the peak up to the end of the backward pass: the forward's and backward's own memory
+    optimizer.register_step_pre_hook(lambda *args: backward.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
     t0 = time.perf_counter()
     # published: the live weights, not a copy (the loop keeps one copy of its own; no trip here reads it)
     metrics, weights, _, _ = train_step(model, optimizer, [group], cfg, step=0, breaker=Breaker(cfg.breaker),
@@ -67,6 +70,8 @@ def child(tokens: int, checkpointing: bool) -> dict:
     return {"params": params, "seconds": round(seconds, 1), "peak_gb": (peak - start) / 1e9,
             **{f"{k}_gb": v / 1e9 for k, v in states.items()},
             "rest_gb": (peak - start - sum(states.values())) / 1e9,
+            "backward_peak_gb": (backward[0] * 1024 - start) / 1e9,
+            "backward_rest_gb": (backward[0] * 1024 - start - states["weights"] - states["gradients"]) / 1e9,
             "grad_norm": metrics["grad_norm"]}
 
 
@@ -100,10 +105,12 @@ def main():
         results[variant] = r = run(variant, args.tokens, args.before)
         print(f"{variant:10} peak {r['peak_gb']:6.2f} GB = weights {r['weights_gb']:.2f} + gradients "
               f"{r['gradients_gb']:.2f} + AdamW {r['optimizer_gb']:.2f} + rest {r['rest_gb']:6.2f} GB; {r['seconds']} s; "
-              f"grad_norm {r['grad_norm']:.4f}", flush=True)
+              f"grad_norm {r['grad_norm']:.3g}\n{'':10} up to the end of the backward: peak {r['backward_peak_gb']:6.2f} GB"
+              f" = weights + gradients + rest {r['backward_rest_gb']:6.2f} GB", flush=True)
     if "before" in results:
         for variant, r in results.items():
-            print(f"{variant:10} rest / before's rest: {r['rest_gb'] / results['before']['rest_gb']:.3f}")
+            print(f"{variant:10} before's rest / this rest: whole step {results['before']['rest_gb'] / r['rest_gb']:.2f}x, "
+                  f"to the end of the backward {results['before']['backward_rest_gb'] / r['backward_rest_gb']:.2f}x")
 
 
 if __name__ == "__main__":
