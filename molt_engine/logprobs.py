@@ -2,6 +2,7 @@
 no [tokens, vocab] tensor of the whole batch exists in the forward or the backward."""
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
 CHUNK_LOGITS = 1 << 25  # logits per chunk (128 MB in fp32): 220 tokens of Qwen2.5's 151,936-entry vocabulary
 
@@ -10,14 +11,16 @@ class Head:
     """How a policy's forward gives log-probs of chosen positions' targets at the sampling temperature. A model whose
     logits are a plain linear layer over its backbone's last hidden states (dense, MoE, Llava; peft's adapters inside
     the backbone) gives those hidden states, and the chunked head scores only the positions asked for. Any other (a
-    LoRA adapter on the head, scaled or soft-capped logits) keeps the plain path: its logits, then a log-softmax."""
+    LoRA adapter on the head, scaled or soft-capped logits, FSDP2's sharding) keeps the plain path: its logits, then a
+    log-softmax."""
 
     def __init__(self, model, temperature: float):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.model, self.temperature, self.config = model, temperature, base.config.get_text_config()
         self.linear, self.backbone = base.get_output_embeddings(), getattr(base, "model", None)
         self.separable = type(self.linear) is torch.nn.Linear and self.backbone is not None and not any(
-            getattr(self.config, k, None) for k in ("final_logit_softcapping", "logit_scale"))
+            getattr(self.config, k, None) for k in ("final_logit_softcapping", "logit_scale")) and not isinstance(
+            model, FSDPModule)  # FSDP2 gathers the head's weight inside the root's forward only
         self.masked_id = getattr(base.config, "image_token_id", None)  # a VLM's image placeholder: never an action
 
     def forward(self, logits_to_keep: int = 0, **inputs) -> torch.Tensor:
