@@ -26,6 +26,10 @@ check failed. ok null = skipped, with the reason in "skipped" (the CUDA-only che
   trl            TRL's GRPOTrainer (transformers generation) on the sampler check's shape and batch (8 prompts x 8
                  completions of 256 tokens): seconds/step and rollout tokens/s (medians), against the engine's
                  sampler + update on the same batch; skipped on a CPU or without trl
+  ladder         random-init Qwen2.5 shapes 0.5B, 1.5B, 3B and 7B, full fine-tuning (fp32 weights; bf16 weights) and
+                 LoRA r=16, activation checkpointing off and on: whether a GRPO step of 64 x 1,024 tokens fits and at
+                 which micro-batch size, tokens/s, MFU, peak memory; the sampler's decode tokens/s at 128 requests.
+                 On one H200, alone:  python3 bench/gpu_proof.py --checks ladder --out $OUT/ladder.jsonl
   machine_panel  the runs page's GPU numbers (nvidia-ml-py: utilisation, memory), read every 0.5 s during the run
 
 On the GPU machine (an H200: offline, Python 3.12, torch 2.11, transformers 5.17), 201 s on 2026-12-04. The engine needs
@@ -458,6 +462,92 @@ def check_machine_panel(args, s):
             "total_gb": gpus[0]["total_gb"]}
 
 
+# Qwen2.5's published shapes (vocabulary, tied embeddings as released) for the ladder, and a toy one for --tiny.
+LADDER = {"0.5B": dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151_936, tied=True),
+          "1.5B": dict(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151_936, tied=True),
+          "3B": dict(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, vocab=151_936, tied=True),
+          "7B": dict(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, vocab=152_064, tied=False)}
+TINY_LADDER = {"toy": dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=2048, tied=True)}
+
+
+def check_ladder(args, s):
+    """For each shape, mode (full: fp32 weights and AdamW, bf16 autocast, as the engine trains; full_bf16: bf16
+    weights, AdamW's moments bf16 too, 8 bytes a parameter; lora16: LoRA r=16 on every linear layer of the decoder)
+    and activation checkpointing off/on: does one GRPO step of 64 episodes x 1,024 tokens (groups of 8; 256 prompt
+    tokens) fit beside the sampler's bf16 copy and the published weights, at which micro-batch size
+    (train_step_fitting halves it from the whole batch), its tokens/s, MFU ((6 N, LoRA 4 N) tokens + causal
+    attention 6 L d sum(len^2), over --peak-tflops) and peak memory; and, per shape, the sampler's decode tokens/s at
+    128 requests (256-token prompts, 128 new tokens or 20 s)."""
+    device = torch.device(args.device)
+    if device.type != "cuda" and not args.tiny:
+        return {"ok": None, "skipped": "needs CUDA (or --tiny: a toy shape)"}
+    episodes_n, length, prompt, new = (16, 48, 16, 8) if args.tiny else (64, 1024, 256, 128)
+    runs = []
+    for name, shape in (TINY_LADDER if args.tiny else {k: LADDER[k] for k in args.ladder}).items():
+        for mode in args.ladder_modes:
+            for checkpointing in args.ladder_checkpointing:
+                run = {"shape": name, "mode": mode, "checkpointing": checkpointing}
+                try:
+                    run.update(ladder_step(args, shape, mode, checkpointing == "on", episodes_n, length, prompt,
+                                           new if not runs or runs[-1]["shape"] != name else 0))  # decode once
+                except torch.OutOfMemoryError as e:  # at micro-batches of 1, or before the step
+                    run.update(fits=False, error=str(e).splitlines()[0][:200])
+                runs.append(run)
+                print(json.dumps({"ladder": run}), file=sys.stderr, flush=True)  # a long check: progress
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return {"ok": all(not r["fits"] or r["grad_norm"] > 0 for r in runs) and any(r["fits"] for r in runs),
+            "episodes": episodes_n, "tokens_per_episode": length, "runs": runs}
+
+
+def ladder_step(args, shape, mode, checkpointing, episodes_n, length, prompt, new) -> dict:
+    import peft
+    device = torch.device(args.device)
+    config = Qwen2Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=4096,
+                         tie_word_embeddings=shape["tied"], pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if mode == "full_bf16" else torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    sampler_model = copy.deepcopy(model).to(torch.bfloat16).eval()  # LoRA's merged copy: the same shape
+    row = {}
+    if new:
+        prompts = random_prompts(128, {"vocab": shape["vocab"], "prompt": prompt})
+        _, decode_s, reqs = decode(sampler_model, prompts, new, 20.0)
+        row["decode_tokens_per_s_128"] = 128 * (len(reqs[0].ids) - 1) / decode_s
+    if mode == "lora16":
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    if checkpointing:  # as model.gradient_checkpointing does it (no dropout here: train mode changes nothing else)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train(checkpointing)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, shape["vocab"], (episodes_n // GROUP, prompt), generator=g).tolist()
+    eps = [Episode(seed=i, group=i // GROUP, token_ids=prompts[i // GROUP] + torch.randint(
+        3, shape["vocab"], (length - prompt,), generator=g).tolist(), is_action=[False] * prompt + [True] * (
+        length - prompt), logprobs=[0.0] * length, versions=[0] * length, reward=float(i % 2),
+        info={"success": False, "entropy": 0.0, "tool_calls": 0, "turns": 1}) for i in range(episodes_n)]
+    groups = [eps[i:i + GROUP] for i in range(0, episodes_n, GROUP)]
+    cfg = RunConfig.model_validate({"env": "max_digit", "model": {"dtype": "bfloat16"},
+                                    "loop": {"groups_per_step": len(groups), "group_size": GROUP}})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    published = {k: v.detach().clone() for k, v in model.state_dict().items()}  # as the loop keeps them
+    micro, timed = None, None
+    for step in range(2):  # a warm-up (AdamW's state appears, the micro-batch size is found), then the timed one
+        peak_gb(device)
+        t0 = time.perf_counter()
+        (metrics, *_), micro = train_step_fitting(model, optimizer, groups, cfg, step=step, published=published,
+                                                  micro_batch_size=micro, breaker=Breaker(cfg.breaker), pad_id=0)
+        sync(device)
+        timed = time.perf_counter() - t0
+    flops = ((4 if mode == "lora16" else 6) * params * episodes_n * length
+             + 6 * shape["layers"] * shape["hidden"] * episodes_n * length ** 2)
+    return {**row, "fits": True, "params": params, "micro_batch_size": micro, "tokens_per_s": episodes_n * length / timed,
+            "mfu": flops / timed / (args.peak_tflops * 1e12) if args.peak_tflops else None,
+            "peak_gb": peak_gb(device), "grad_norm": metrics["grad_norm"]}
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -475,7 +565,7 @@ def peak_gb(device) -> float:
 
 CHECKS = {"setup": check_setup, "learn": check_learn, "sampler": check_sampler, "trainer": check_trainer,
           "two_jobs": check_two_jobs, "oom": check_oom, "multiturn": check_multiturn, "trl": check_trl,
-          "machine_panel": check_machine_panel}
+          "ladder": check_ladder, "machine_panel": check_machine_panel}
 
 
 def main():
@@ -488,6 +578,10 @@ def main():
     p.add_argument("--seed", type=int, default=0, help="learn: the run's seed")
     p.add_argument("--checks", nargs="+", choices=list(CHECKS), default=list(CHECKS),
                    help="run only these (trainer, two_jobs and oom use what sampler made)")
+    p.add_argument("--ladder", nargs="+", choices=list(LADDER), default=list(LADDER), help="ladder: the shapes")
+    p.add_argument("--ladder-modes", nargs="+", choices=["full", "full_bf16", "lora16"],
+                   default=["full", "full_bf16", "lora16"], help="ladder: the ways to train")
+    p.add_argument("--ladder-checkpointing", nargs="+", choices=["off", "on"], default=["off", "on"])
     args = p.parse_args()
     args.scale = TINY if args.tiny else FULL
     torch.set_num_threads(1)  # as in a run, on every thread but the updates' (Training sets it)

@@ -45,6 +45,8 @@ class ModelConfig(_Strict):
     dropout: bool = Field(False, description="keep the model's dropout (train mode) in the trainer's forward; off by "
                           "default, as in TRL: the sampler never has it, so with it the log-prob mismatch is noise")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on the policy (None = all weights)")
+    gradient_checkpointing: bool | None = Field(None, description="recompute each decoder layer's activations in the "
+                                                "backward (transformers' own); None = on for model.path, off for presets")
 
     @field_validator("preset")
     @classmethod

@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .logprobs import Head, without_placeholder  # noqa: F401 (the sampler's, from here)
+
 
 @dataclass
 class Episode:
@@ -105,7 +107,8 @@ def uncollated(values: torch.Tensor, rows, episodes: list[Episode], prompt_width
 
 
 def token_logprobs(model, batch, temperature: float):
-    """Log-probs of the targets under `model` at the sampling temperature ([B, T-1]; 0 where no action can be).
+    """Log-probs of the action targets under `model` at the sampling temperature ([B, T-1]; 0 at other positions),
+    through the LM head in chunks (`logprobs.Head`): only the actions' positions are scored.
 
     Text-only batches never compute what rows share twice, nor padding that costs more than a forward. The rows of a
     prompt form a prefix tree (rows that sample the same first turn share its tokens, identical episodes all of them),
@@ -116,11 +119,14 @@ def token_logprobs(model, batch, temperature: float):
     other than SDPA over full causal layers cannot take the mask, so those take the full forward."""
     ids, mask, positions, config = batch["input_ids"], batch["attention_mask"], batch["position_ids"], model.config
     targets = F.pad(batch["targets"], (0, 1))  # one column per input column; the last one's prediction is dropped
+    actions, head = F.pad(batch["action_mask"], (0, 1)), Head(model, temperature)
+    logp = torch.zeros(ids.shape, device=ids.device)  # column t: the log-prob of token t + 1; actions only
     if "routes" in batch or "pixel_values" in batch or config._attn_implementation != "sdpa" or getattr(
             config, "sliding_window", None):  # a custom 4D mask would also replace the sliding window's
         images = {"pixel_values": batch["pixel_values"]} if "pixel_values" in batch else {}
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **images).logits
-        return _log_softmax(logits, temperature, config).gather(-1, targets.unsqueeze(-1))[:, :-1, 0]
+        states = head.forward(input_ids=ids, attention_mask=mask, position_ids=positions, **images)
+        logp[actions] = head.logprobs(states[actions], targets[actions])
+        return logp[:, :-1]
     split = max(batch["prompt_width"] - 1, 0)  # every target that can be an action is at this column or later
     rows, row = torch.unique(ids.masked_fill(mask == 0, -1), dim=0, return_inverse=True)  # sorted: sharers adjacent
     real, columns = rows >= 0, torch.arange(ids.shape[1]).to(ids)
@@ -142,7 +148,6 @@ def token_logprobs(model, batch, temperature: float):
     in_tree, base = torch.tensor(tree).to(ids)[row], F.pad(torch.tensor(sizes).to(ids).cumsum(0), (1, 0))  # tree starts
     slot = (node[row] - base[in_tree][:, None])[:, split:]  # a batch row's tokens' places in its tree's sequence
     tokens, where = rows[new], positions[row.new_empty(len(rows)).scatter_(0, row, torch.arange(len(row)).to(row))][new]
-    logp = torch.zeros(ids.shape, device=ids.device)  # column t: the log-prob of token t + 1
     for chunk in _length_chunks(sizes):
         c, place = torch.tensor(chunk).to(ids), torch.arange(max(sizes[t] for t in chunk)).to(ids)
         grid = (base[c][:, None] + place).clamp(max=len(tokens) - 1)  # each tree's nodes, then padding
@@ -151,11 +156,11 @@ def token_logprobs(model, batch, temperature: float):
         local = torch.full_like(base, -1).index_put_((c,), torch.arange(len(c)).to(ids))[in_tree]  # row in the chunk
         r = (local >= 0).nonzero()[:, 0]  # the batch rows in this chunk
         low = int(slot[r, 0].min())  # logits only from the split, the first of them at this place
-        out = model(input_ids=tokens[grid], position_ids=where[grid], logits_to_keep=len(place) - low,
-                    attention_mask=((place <= place[:, None]) & (place[:, None] < last[:, None, :]))[:, None])
-        lp = _log_softmax(out.logits, temperature, config)
-        # a node's logits predict each of its rows' own next token
-        logp[r, split:] = lp[local[r, None], (slot[r] - low).clamp(min=0), targets[r, split:]].where(slot[r] >= 0, 0.)
+        states = head.forward(input_ids=tokens[grid], position_ids=where[grid], logits_to_keep=len(place) - low,
+                              attention_mask=((place <= place[:, None]) & (place[:, None] < last[:, None, :]))[:, None])
+        # a node's state predicts each of its rows' own next token: scored at the rows' actions
+        i, t = ((slot[r] >= 0) & actions[r, split:]).nonzero(as_tuple=True)
+        logp[r[i], split + t] = head.logprobs(states[local[r[i]], slot[r[i], t] - low], targets[r[i], split + t])
     return logp[:, :-1]
 
 
@@ -170,15 +175,3 @@ def _length_chunks(lengths: list[int], overhead: int = 256) -> list[list[int]]:
         total, a = min((cost + overhead + (b - a) * lengths[order[b - 1]], a) for a, (cost, _) in best.items())
         best[b] = (total, best[a][1] + [order[a:b]])  # one list built per end, not one per candidate
     return best[len(order)][1]
-
-
-def _log_softmax(logits, temperature: float, config):
-    return torch.log_softmax(without_placeholder(logits.float() / temperature, config), dim=-1)
-
-
-def without_placeholder(logits: torch.Tensor, config) -> torch.Tensor:
-    """A VLM's image placeholder token is never an action (a generated one would have no image behind it): the
-    sampler and the trainer both take it out of the distribution, so their log-probs agree."""
-    if (image_token := getattr(config, "image_token_id", None)) is None:
-        return logits
-    return logits.index_fill(-1, torch.tensor(image_token, device=logits.device), float("-inf"))

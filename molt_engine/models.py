@@ -11,6 +11,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
                           CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen3MoeConfig)
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # Pillow only, no torchvision
 
 IMAGE_TOKEN = "<image>"
@@ -153,7 +154,17 @@ def load_policy(model_cfg, seed: int):
     for router in routers(model):
         router.replay = None
         router.register_forward_hook(_route)
-    return model.to(device).train(model_cfg.dropout), processor
+    model.to(device).train(model_cfg.dropout)
+    moe, checkpointing = routers(model), model_cfg.gradient_checkpointing
+    if checkpointing and moe:
+        raise ValueError("model.gradient_checkpointing: not with an MoE policy (the backward's recompute would route "
+                         "freely, not through the experts the sampler used)")
+    if checkpointing or (checkpointing is None and model_cfg.path and not moe):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        for layer in model.modules():  # a layer checkpoints in training mode only: its own flag, not its submodules'
+            if isinstance(layer, GradientCheckpointingLayer):  # (so dropout stays off); no-grad forwards run as is
+                layer.training = True
+    return model, processor
 
 
 def merged(weights: dict, lora) -> dict:

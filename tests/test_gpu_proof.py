@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ["setup", "learn", "sampler", "trainer", "two_jobs", "oom", "multiturn", "trl", "machine_panel"]
+CHECKS = ["setup", "learn", "sampler", "trainer", "two_jobs", "oom", "multiturn", "trl", "ladder", "machine_panel"]
 
 
 @pytest.mark.slow
@@ -54,6 +54,13 @@ def test_the_gpu_proof_runs_every_check_at_toy_scale_on_the_cpu(tmp_path):
     two = c["two_jobs"]
     assert two["ok"] and two["trainer_steps_meanwhile"] >= 1
     assert two["sampler_tokens_per_s_alone"] > 0 and two["sampler_tokens_per_s_with_trainer"] > 0
+
+    ladder = c["ladder"]  # the toy shape: every mode, checkpointing off and on, fits the CPU
+    assert ladder["ok"] and [(r["mode"], r["checkpointing"]) for r in ladder["runs"]] == [
+        (m, gc) for m in ("full", "full_bf16", "lora16") for gc in ("off", "on")]
+    assert ladder["runs"][0]["decode_tokens_per_s_128"] > 0 and "decode_tokens_per_s_128" not in ladder["runs"][1]
+    for r in ladder["runs"]:
+        assert r["fits"] and r["micro_batch_size"] is None and r["tokens_per_s"] > 0 and r["peak_gb"] > 0
 
     # The CUDA-only checks say why they did not run, and count as neither passed nor failed.
     assert c["oom"]["ok"] is None and c["oom"]["skipped"].startswith("needs CUDA")
