@@ -107,7 +107,8 @@ class AlgoConfig(_Strict):
     epochs: int = Field(1, gt=0, description="passes over the batch per trainer step (each pass is minibatches steps)")
     micro_batch_size: int | None = Field(None, gt=0, description="episodes per forward/backward, gradients "
                                          "accumulated over a minibatch; None = the whole minibatch at once")
-    filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic sampling)")
+    filter_zero_variance: bool = Field(False, description="drop groups whose rewards are all equal (DAPO dynamic "
+                                       "sampling): at most groups_per_step a step, counted in groups_filtered")
     # MoE policies only (ignored for dense ones)
     routing_replay: bool = Field(True, description="MoE: the training forward uses the experts the sampler used")
     router_aux_coef: float | None = Field(None, ge=0, description="MoE: weight of the load-balancing loss; "
