@@ -207,23 +207,24 @@ def scatters(sweep: dict, keys: list[str], width: int = 260, height: int = 190) 
     params = sweep["request"]["params"]
     scored = [r for r in sweep["runs"] if r["score"] is not None]
     points = [p for p in sweep["points"] if p["score"] is not None]
-    left, right, top, bottom = 44, width - 12, 10, height - 34
+    left, right, top, bottom = 44, width - 20, 8, height - 34   # the axes; the dots stay 10px inside them
     on_y, y_ticks = _scale([r["score"] for r in scored], False)
+
+    def at(t_x, t_y):  # places along the axes (0..1) to pixels
+        return round(left + 10 + (right - left - 20) * t_x, 1), round(bottom - 10 - (bottom - top - 20) * t_y, 1)
     charts = []
     for k in keys:
         values = [r["params"][k] for r in scored]
         log = _log_axis(params[k], values)
         on_x, x_ticks = _scale(values, log)
-
-        def dot(value, score, point, on_x=on_x):
-            return {"x": round(left + (right - left) * on_x(value), 1),
-                    "y": round(bottom - (bottom - top) * on_y(score), 1), "best": _is_best(sweep, point)}
         charts.append({"name": k, "log": log, "width": width, "height": height, "left": left, "right": right,
                        "top": top, "bottom": bottom,
-                       "runs": [{"run": r["id"], **dot(r["params"][k], r["score"], r["sweep_point"])} for r in scored],
-                       "points": [{"point": p["point"], **dot(p["params"][k], p["score"], p["point"])} for p in points],
-                       "x_ticks": [(left + (right - left) * t, label) for t, label in x_ticks],
-                       "y_ticks": [(bottom - (bottom - top) * t, label) for t, label in y_ticks]})
+                       "runs": [{"run": r["id"], "best": _is_best(sweep, r["sweep_point"]),
+                                 "xy": at(on_x(r["params"][k]), on_y(r["score"]))} for r in scored],
+                       "points": [{"point": p["point"], "best": _is_best(sweep, p["point"]),
+                                   "xy": at(on_x(p["params"][k]), on_y(p["score"]))} for p in points],
+                       "x_ticks": [(at(t, 0)[0], label) for t, label in x_ticks],
+                       "y_ticks": [(at(0, t)[1], label) for t, label in y_ticks]})
     return charts
 
 
