@@ -1,5 +1,6 @@
 """Sweeps: the REST API under /api/v1/sweeps (queue, list, read, stop, resume, delete) and the sweep page (its runs
-as rows, a parallel-coordinates chart of the params against the score, links into compare)."""
+as rows, a parallel-coordinates chart of the params against the score, the score against each param, links into
+compare)."""
 import json
 import math
 from typing import Annotated, Any
@@ -172,7 +173,7 @@ def sweep_page(request: Request, sweep_id: int, sort: Annotated[str, Query()] = 
     elif desc:
         runs = runs[::-1]
     return render(request, "sweep.html", sweep=sweep, keys=keys, runs=runs, sort=sort, desc=desc,
-                  chart=parallel_coordinates(sweep, keys))
+                  chart=parallel_coordinates(sweep, keys), scatters=scatters(sweep, keys))
 
 
 def _numeric(v) -> bool:
@@ -181,8 +182,7 @@ def _numeric(v) -> bool:
 
 def parallel_coordinates(sweep: dict, keys: list[str], width: int = 720, height: int = 260) -> dict:
     """An SVG's geometry: one vertical axis per param and one for the score, one polyline per run with a score
-    (numbers placed linearly, or log for a log range; other values evenly in their order), the best point's runs
-    marked. Server-side: a static chart needs no script."""
+    (each axis placed by `_scale`), the best point's runs marked. Server-side: a static chart needs no script."""
     axes = keys + ["score"]
     params = sweep["request"]["params"]
     x = {a: 40 + i * (width - 80) / max(1, len(axes) - 1) for i, a in enumerate(axes)}
@@ -190,20 +190,65 @@ def parallel_coordinates(sweep: dict, keys: list[str], width: int = 720, height:
     place, ticks = {}, {}
     for a in axes:
         values = [r["score"] if a == "score" else r["params"][a] for r in scored]
-        log = a != "score" and params[a].get("log") and all(_numeric(v) and v > 0 for v in values)
-        if values and all(_numeric(v) for v in values):
-            f = math.log if log else float
-            lo, hi = min(map(f, values)), max(map(f, values))
-            place[a] = lambda v, f=f, lo=lo, hi=hi: 0.5 if hi == lo else (f(v) - lo) / (hi - lo)
-            ticks[a] = [(1.0, f"{min(values):.3g}"), (0.0, f"{max(values):.3g}")]
-        else:
-            order = sorted({repr(v) for v in values})
-            place[a] = lambda v, order=order: 0.5 if len(order) < 2 else order.index(repr(v)) / (len(order) - 1)
-            ticks[a] = [(1 - place[a](v), str(v)) for v in dict.fromkeys(values)]
+        place[a], ticks[a] = _scale(values, a != "score" and _log_axis(params[a], values))
     top, span = 30, height - 60
     y = {a: lambda r, a=a: top + span * (1 - place[a](r["score"] if a == "score" else r["params"][a])) for a in axes}
-    lines = [{"run": r["id"], "best": sweep["best"] is not None and r["sweep_point"] == sweep["best"]["point"],
+    lines = [{"run": r["id"], "best": _is_best(sweep, r["sweep_point"]),
               "points": " ".join(f"{x[a]:.1f},{y[a](r):.1f}" for a in axes)} for r in scored]
     return {"width": width, "height": height, "axes": [{"name": a, "x": x[a], "ticks": [
-        (top + span * t, label) for t, label in ticks.get(a, [])]} for a in axes], "lines": lines,
+        (top + span * (1 - t), label) for t, label in ticks[a]]} for a in axes], "lines": lines,
             "top": top, "bottom": top + span}
+
+
+def scatters(sweep: dict, keys: list[str], width: int = 260, height: int = 190) -> list[dict]:
+    """One SVG's geometry per param: the score against the param's value, a faint dot per scored run and a solid one
+    per point (the mean over its seeds), the best point marked; both axes placed by `_scale`, as in the parallel
+    coordinates."""
+    params = sweep["request"]["params"]
+    scored = [r for r in sweep["runs"] if r["score"] is not None]
+    points = [p for p in sweep["points"] if p["score"] is not None]
+    left, right, top, bottom = 44, width - 20, 8, height - 34   # the axes; the dots stay 10px inside them
+    on_y, y_ticks = _scale([r["score"] for r in scored], False)
+
+    def at(t_x, t_y):  # places along the axes (0..1) to pixels
+        return round(left + 10 + (right - left - 20) * t_x, 1), round(bottom - 10 - (bottom - top - 20) * t_y, 1)
+    charts = []
+    for k in keys:
+        values = [r["params"][k] for r in scored]
+        log = _log_axis(params[k], values)
+        on_x, x_ticks = _scale(values, log)
+        charts.append({"name": k, "log": log, "width": width, "height": height, "left": left, "right": right,
+                       "top": top, "bottom": bottom,
+                       "runs": [{"run": r["id"], "best": _is_best(sweep, r["sweep_point"]),
+                                 "xy": at(on_x(r["params"][k]), on_y(r["score"]))} for r in scored],
+                       "points": [{"point": p["point"], "best": _is_best(sweep, p["point"]),
+                                   "xy": at(on_x(p["params"][k]), on_y(p["score"]))} for p in points],
+                       "x_ticks": [(at(t, 0)[0], label) for t, label in x_ticks],
+                       "y_ticks": [(at(0, t)[1], label) for t, label in y_ticks]})
+    return charts
+
+
+def _is_best(sweep: dict, point: int) -> bool:
+    return sweep["best"] is not None and point == sweep["best"]["point"]
+
+
+def _log_axis(space: dict, values: list) -> bool:
+    """A param's axis is logarithmic where its space draws log-uniformly or its values span more than two decades."""
+    if not values or not all(_numeric(v) and v > 0 for v in values):
+        return False
+    return bool(space.get("log")) or max(values) > 100 * min(values)
+
+
+def _scale(values: list, log: bool) -> tuple:
+    """Where a value sits along an axis (0 the low end, 1 the high end) and the axis's ticks as (place, label):
+    numbers linearly (or by their log), other values evenly in their sorted order."""
+    if values and all(_numeric(v) for v in values):
+        f = math.log if log else float
+        lo, hi = min(map(f, values)), max(map(f, values))
+        return (lambda v: 0.5 if hi == lo else (f(v) - lo) / (hi - lo),
+                [(0.0, f"{min(values):.3g}"), (1.0, f"{max(values):.3g}")])
+    order = sorted({repr(v) for v in values})
+
+    def place(v):
+        return 0.5 if len(order) < 2 else order.index(repr(v)) / (len(order) - 1)
+    return place, [(place(v), str(v)) for v in dict.fromkeys(values)]

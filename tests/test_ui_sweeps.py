@@ -1,16 +1,18 @@
 """The sweep page in Chromium, on a finished 2x2 grid with 2 seeds whose runs' records are written into a real SQLite
-file: the runs table best first and sortable, the parallel-coordinates chart, compare for a selection, the link from
-a run's page."""
+file: the runs table best first and sortable, the parallel-coordinates chart, a scatter of the score per param (axe
+finds no serious problem), compare for a selection, the link from a run's page."""
 import random
 import statistics
 
 import pytest
+from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
 from app_support import web_thread
 from conftest import screenshot
 from daemon.records import Records
 from daemon.sweep_tick import tick_sweeps
+from app.sweeps import scatters
 from daemon.sweeps import SweepRequest
 from test_sweeps import GRID, record
 
@@ -48,6 +50,17 @@ def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selecti
     expect(page.locator("#parallel polyline")).to_have_count(8)
     expect(page.locator("#parallel polyline[stroke='#d9480f']")).to_have_count(2)
     expect(page.locator("#parallel text", has_text="algo.lr")).to_have_count(1)
+    scatters = page.locator("#scatters svg.scatter")
+    expect(scatters).to_have_count(len(GRID["params"]))  # one per param, named for it, a dot per run and per point
+    for i, key in enumerate(GRID["params"]):
+        scatter = page.get_by_role("img", name=f"score against {key}", exact=True)
+        expect(scatter).to_have_attribute("data-param", key)
+        expect(scatter.locator("circle.run")).to_have_count(8)
+        expect(scatter.locator("circle.point")).to_have_count(4)
+        expect(scatter.locator("circle.point.best")).to_have_attribute("data-point", str(best_point))
+        expect(scatter.locator("circle.run[fill='#d9480f']")).to_have_count(2)
+    violations = [v["id"] for v in Axe().run(page).response["violations"] if v["impact"] in ("serious", "critical")]
+    assert violations == []
     screenshot(page, "sweep-page.png")
 
     page.get_by_role("link", name="seed").click()  # sorted by seed: the four seed-0 runs first
@@ -70,7 +83,7 @@ def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_n
     page.goto(f"{base}/runs/{run_id}?token={TOKEN}")
     page.locator("#actions a", has_text="Sweep…").click()
     expect(page.locator("textarea[name=config]")).to_contain_text('"max_digit"')
-    page.get_by_label("name").fill("from-form")
+    page.get_by_label("name", exact=True).fill("from-form")  # the config textarea's JSON says "name" too
     page.get_by_label("params").fill('{"algo.lr": {"values": [0.001, -1.0]}}')
     page.get_by_role("button", name="Start the sweep").click()
     expect(page.locator("#new-sweep .error")).to_contain_text("params.algo.lr: algo.lr=-1.0")
@@ -78,3 +91,16 @@ def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_n
     page.get_by_role("button", name="Start the sweep").click()
     expect(page.locator("h1")).to_contain_text("Sweep from-form")
     expect(page.locator("#sweep-summary")).to_contain_text("running · grid")
+
+
+def test_a_param_spanning_decades_is_placed_on_a_log_axis(finished):
+    _base, sweep, _ = finished
+    lrs = {0: 1e-5, 1: 1e-4, 2: 1e-3, 3: 1e-2}  # three decades: evenly spaced
+    wide = {**sweep, "runs": [{**r, "params": {**r["params"], "algo.lr": lrs[r["sweep_point"]]}} for r in sweep["runs"]],
+            "points": [{**p, "params": {**p["params"], "algo.lr": lrs[p["point"]]}} for p in sweep["points"]]}
+    lr, group = scatters(wide, list(GRID["params"]))
+    assert (lr["log"], group["log"]) == (True, False)
+    x = sorted(p["xy"][0] for p in lr["points"])
+    gaps = [b - a for a, b in zip(x, x[1:])]
+    assert max(gaps) - min(gaps) < 0.2 and min(gaps) > 50
+    assert [label for _x, label in lr["x_ticks"]] == ["1e-05", "0.01"]
