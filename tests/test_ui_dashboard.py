@@ -1,7 +1,8 @@
 """The run and compare pages in Chromium against the app under uvicorn over a real SQLite (no daemon), with records
 written as a worker writes them: spikes stay on the chart and inside the plot after a zoom; training time frozen while
 queued; sections that collapse and stay so, constant metrics folded into one line, pinned and hidden charts, little
-layout shift; compare on a chosen metric with elapsed time as x, a summary table and a group of seeds as a band."""
+layout shift; compare on a chosen metric with elapsed time as x, a summary table and a group of seeds as a band; the
+header's step is the charts' last x."""
 import math
 import re
 import time
@@ -11,7 +12,7 @@ import pytest
 from playwright.sync_api import expect
 from sqlmodel import Session
 
-from app_support import FAST, TOKEN, hook, new_run, web  # noqa: F401 (hook, web: fixtures)
+from app_support import FAST, TOKEN, hook, new_run, sink_for, web  # noqa: F401 (hook, web: fixtures)
 from daemon.models import Attempt, Metric, Run
 
 
@@ -390,3 +391,33 @@ def test_on_a_phone_the_runs_table_keeps_progress_reward_and_best_eval_in_view(w
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, (title, box)
     expect(row.locator("td.progress")).to_contain_text("30/30")
     assert page.locator("nav.top").bounding_box()["height"] < 80  # two lines at most
+
+
+def test_the_headers_step_is_the_reward_charts_last_x_live_and_after_a_reload(web, page):
+    """The sink records a trainer step's metrics at its 0-based index and the run's step as the steps done: the header
+    says "step 3" after three steps and the reward curve ends at x = 3 (as W&B and TRL log a step's metrics)."""
+    run = new_run(web, name="counted")
+    set_run(web, run["id"], status="running", started_at=time.time())
+    sink = sink_for(web, run["id"])
+
+    def train(steps):
+        for step in steps:
+            sink.metrics(step, {"reward_mean": step / 10, "version": float(step + 1)})
+
+    def header_and_last_x():
+        return page.locator("#run-step").inner_text(), plot(page, "reward_mean", "u.data[0][u.data[0].length - 1]")
+
+    train(range(3))
+    open_run(page, web, run["id"], 3, chart="reward_mean")
+    expect(page.locator("#run-step")).to_have_text("3")
+    assert header_and_last_x() == ("3", 3)
+    train(range(3, 5))  # live: the websocket's metrics and status
+    expect(page.locator("#chart-reward_mean")).to_have_attribute("data-points", "5", timeout=15_000)
+    expect(page.locator("#run-step")).to_have_text("5", timeout=15_000)
+    assert header_and_last_x() == ("5", 5)
+    page.reload()
+    expect(page.locator("#conn")).to_have_attribute("data-state", "live")
+    expect(page.locator("#chart-reward_mean")).to_have_attribute("data-points", "5")
+    assert header_and_last_x() == ("5", 5)
+    sink.close()
+    set_run(web, run["id"], status="completed")

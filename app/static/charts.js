@@ -65,6 +65,11 @@ Object.assign(Molt, (() => {
   const num = (v) => (typeof v === "number" ? v : Number(v));
 
   // One metric series, kept sorted by step; a step seen again (a replay after resume) replaces its value.
+  // A trainer step's metrics are recorded at its 0-based index (the engine's contract; the API and CSV keep it), an
+  // evaluation's and the system samples at the steps done. Charts put every point at the steps done, as the header
+  // counts them and as W&B and TRL log a step's metrics (the first step's at 1): "step 30/40" ends the curve at 30.
+  const atStepsDone = (name, s) => (/^eval_|\//.test(name) ? s : {...s, step: s.step.map((st) => st + 1)});
+
   class Series {
     constructor() { this.step = []; this.value = []; this.time = []; }
     merge(s) {
@@ -338,5 +343,5 @@ Object.assign(Molt, (() => {
     });
   }
 
-  return {COLORS, SECTIONS, JOINS, ONLY_NONZERO, X_TITLES, axisTitle, chartSpec, activeClock, Series, ema, bindView, fmt, Chart};
+  return {COLORS, SECTIONS, JOINS, ONLY_NONZERO, X_TITLES, axisTitle, chartSpec, activeClock, atStepsDone, Series, ema, bindView, fmt, Chart};
 })());

@@ -1,8 +1,8 @@
 // The run page: a live chart per recorded metric (over the run's websocket) in collapsible sections, the overview strip.
 "use strict";
 Object.assign(Molt, (() => {
-  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, Series, bindView, fmt, Chart, activeClock, duration,
-         throttled, toast} = Molt;
+  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, atStepsDone, Series, bindView, fmt, Chart, activeClock,
+         duration, throttled, toast} = Molt;
   // ---- the run page ----------------------------------------------------------------------------------------------
   function runPage(page) {
     const store = {};           // name -> Series
@@ -205,8 +205,8 @@ Object.assign(Molt, (() => {
       if (msg.type === "status") showRun(msg.run);
       else if (msg.type === "metrics") {
         for (const [name, s] of Object.entries(msg.series)) {
-          (store[name] ||= new Series()).merge(s);
-          lastStep = Math.max(lastStep, store[name].last);
+          (store[name] ||= new Series()).merge(atStepsDone(name, s));
+          lastStep = Math.max(lastStep, s.step.length ? s.step[s.step.length - 1] : -1);  // as recorded (after_step)
         }
         render();
       } else if (msg.type === "alerts") msg.alerts.forEach((a) => knownAlerts.add(a.id));
