@@ -25,8 +25,7 @@ def add_commands(commands):
     c.add_argument("--name")
     c.add_argument("--tag", action="append", default=None, help="repeatable")
     c.add_argument("--max-restarts", type=int)
-    c.add_argument("--wait", action="store_true", help="wait until the run ends; the exit status says how")
-    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
+    wait_options(c, "wait until the run ends; the exit status says how")
     lst = rc.add_parser("list", help="runs, newest first")
     lst.add_argument("--status", action="append")
     lst.add_argument("--tag")
@@ -61,8 +60,7 @@ def add_commands(commands):
     e.add_argument("--k", type=int, default=1, help="samples per prompt, for pass@k (default 1)")
     e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--wait", action="store_true", help="wait until it ends and print its metrics")
-    e.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
+    wait_options(e, "wait until it ends and print its metrics")
     e.add_argument("--min", action="append", default=[], metavar="METRIC=VALUE",
                    help="repeatable: exit 6 if METRIC (e.g. pass@1, pass@4, mean_reward) is below VALUE; "
                         "implies --wait")
@@ -74,10 +72,14 @@ def add_commands(commands):
                                         "4 stopped, 124 timed out, 2 invalid input, 5 server unreachable.")
     server_options(w)
     w.add_argument("file", type=Path, help="the sweep: name, config, params, method, metric, ...")
-    w.add_argument("--wait", action="store_true", help="wait until it ends and print the best configuration")
-    w.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
+    wait_options(w, "wait until it ends and print the best configuration")
     w.set_defaults(func=cmd_runs, runs_command="sweep")
 
+
+def wait_options(p, what: str):
+    """--wait (`what` it does) and --timeout, as runs create, eval and sweep take them."""
+    p.add_argument("--wait", action="store_true", help=what)
+    p.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (exit 124)")
 
 def server_options(p):
     p.add_argument("--url", default=os.environ.get("MOLT_URL", "http://127.0.0.1:8000"),
