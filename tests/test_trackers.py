@@ -34,8 +34,10 @@ def home(tmp_path, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     log = open(home / "daemon.log", "ab")
+    # A long heartbeat timeout: the resume test's hang drill holds the trainer until the test kills it
     daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2",
-                               "--backoff", "0.2"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                               "--backoff", "0.2", "--heartbeat-timeout", "600"], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT)
     yield home
     daemon.terminate()
     daemon.wait(60)
@@ -176,25 +178,27 @@ def test_a_daemon_run_is_mirrored_to_all_four_trackers(home, tmp_path):
 @pytest.mark.slow  # a few minutes on 2 busy cores: two starts of a worker and of MLflow
 def test_a_worker_killed_and_resumed_continues_the_same_tracker_runs_with_no_duplicate_steps(home, tmp_path):
     api = Records(home)
-    steps = 30  # room for the mirrors, which start slower than the trainer, to catch up before the kill
-    config = {**RUN, "loop": {**RUN["loop"], "steps": steps, "eval_every": 0}, "drills": {}, "checkpoint": {"every": 4},
+    steps, held = 20, 12
+    # The hang drill holds the trainer at step 12 (after step 11's metrics and the checkpoint at 12) while the mirror
+    # threads go on: the test kills once every mirror has step 11, so nothing the killed process queued is lost
+    config = {**RUN, "loop": {**RUN["loop"], "steps": steps, "eval_every": 0}, "checkpoint": {"every": 4},
+              "drills": {"hang_at": [held], "hang_seconds": 600},
               "report": report(tmp_path, "wandb", "mlflow", "tensorboard", "trackio")}
     run = api.create_run(config, name="resumed")["id"]
-    state = api.run_dir(run) / "trackers" / "mlflow.json"
+    states = {name: api.run_dir(run) / "trackers" / f"{name}.json" for name in ("mlflow", "tensorboard", "trackio")}
 
-    def mirrored_step():
+    def mirrored_step(name):
+        state = states[name]
         return json.loads(state.read_text())["steps"].get("reward/mean", -1) if state.exists() else -1
-    # Killed once MLflow (the slowest mirror) has caught up with the trainer past step 6: the trainer runs ahead of the
-    # mirrors while they start, and what a killed process still queued is not the resume's to send
-    wait_until(lambda: (m := mirrored_step()) >= 6 and m + 1 >= (api.get_run(run)["step"] or 0)
-               and api.get_run(run)["pid"], 240, message="step 6 mirrored and the mirrors caught up")
-    first_id, killed_at = json.loads(state.read_text())["id"], mirrored_step()
+    wait_until(lambda: all(mirrored_step(name) == held - 1 for name in states) and api.get_run(run)["pid"], 240,
+               message=f"step {held - 1} mirrored by MLflow, TensorBoard and Trackio")
+    first_id, killed_at = json.loads(states["mlflow"].read_text())["id"], held - 1
     os.kill(api.get_run(run)["pid"], signal.SIGKILL)  # steps from the last checkpoint on are trained again
     final = api.wait_run(run, timeout=300)
     assert final["status"] == "completed", final["last_error"]
     attempts = api.attempts(run)
     assert len(attempts) == 2 and attempts[1]["start_step"] <= killed_at + 1  # steps the trackers have, trained again
-    assert json.loads(state.read_text())["id"] == first_id
+    assert json.loads(states["mlflow"].read_text())["id"] == first_id
     wandb_runs = {r.run.run_id for r in wandb_records(api.run_dir(run)) if r.WhichOneof("record_type") == "run"}
     assert len(list(api.run_dir(run).glob("wandb/offline-run-*"))) == 2 and len(wandb_runs) == 1  # one per attempt
     found = mirrored(tmp_path, api.run_dir(run), f"resumed #{run}")  # one MLflow run, one Trackio run
