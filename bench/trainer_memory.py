@@ -7,10 +7,10 @@ Each variant runs in a fresh subprocess (the peak RSS is the process's own): a r
 Qwen2.5-0.5B's shape (vocab 151,936, tied embeddings; fp32 weights, as the trainer keeps them), one GRPO train_step of
 4 episodes x --tokens tokens (one group: a 64-token prompt, the rest actions, rewards that differ). "before" imports
 molt_engine as it was at --before (git archive), the trainer with the whole [tokens, vocab] log-softmax; "after" this
-tree's. "+gc" turns on transformers' gradient checkpointing (what model.gradient_checkpointing does). Reported apart:
+tree's; AdamW as the loop made it then (foreach) and makes it now (fused). "+gc" turns on transformers' gradient checkpointing (what model.gradient_checkpointing does). Reported apart:
 weights (4 bytes/param), gradients (4) and AdamW's two moments (8), computed from the parameter count, and the rest of
 the peak above the process's memory before the model was built (activations, logits, temporaries; at its end
-train_step copies the weights to publish, once the gradients are freed); and the same up to the end of the backward
+train_step copies the weights to publish, once the gradients are freed: a tied embedding once since 57); and the same up to the end of the backward
 pass (the first optimizer step's pre-hook: weights and gradients exist, AdamW's moments not yet). glibc's malloc gives blocks over 128 KB
 back to the system when freed (MALLOC_MMAP_THRESHOLD_), so the RSS follows what is alive, not what was once used.
 """
@@ -31,7 +31,7 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   tie_word_embeddings=True)
 
 
-def child(tokens: int, checkpointing: bool) -> dict:
+def child(tokens: int, checkpointing: bool, fused: bool) -> dict:
     rss = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -56,7 +56,7 @@ def child(tokens: int, checkpointing: bool) -> dict:
         ep.extend(torch.randint(3, 151936, (tokens - 64,), generator=g).tolist(), action=True)
         ep.info = {"success": False, "entropy": 0.0, "tool_calls": 0, "turns": 1}
         group.append(ep)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=fused)  # as the loop makes it, then and now
     backward = []  # the peak up to the end of the backward pass: the forward's and backward's own memory
     optimizer.register_step_pre_hook(lambda *args: backward.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
     t0 = time.perf_counter()
@@ -83,7 +83,8 @@ def run(variant: str, tokens: int, before: str) -> dict:
                                      capture_output=True).stdout
             subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
             source = tree
-        out = subprocess.run([sys.executable, __file__, "--child", str(tokens), str(variant.endswith("+gc"))],
+        out = subprocess.run([sys.executable, __file__, "--child", str(tokens), str(variant.endswith("+gc")),
+                              str(not variant.startswith("before"))],
                              env={**os.environ, "PYTHONPATH": source, "MALLOC_MMAP_THRESHOLD_": "131072"},
                              check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,10 +96,10 @@ def main():
                    choices=["before", "before+gc", "after", "after+gc"])
     p.add_argument("--tokens", type=int, default=512, help="tokens per episode (4 episodes)")
     p.add_argument("--before", default=BEFORE, help="git revision of the engine 'before' runs")
-    p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(int(args.child[0]), args.child[1] == "True")))
+        print(json.dumps(child(int(args.child[0]), args.child[1] == "True", args.child[2] == "True")))
         return
     results = {}
     for variant in args.variants:

@@ -99,9 +99,14 @@ def wrap(model, optimizer, cfg):
 
 
 def full_weights(model) -> dict:
-    """A copy of the full weights (gathered from every rank's shard with FSDP2: a collective)."""
+    """A copy of the full weights (gathered from every rank's shard with FSDP2: a collective). Tied weights (one
+    tensor under two names, as Qwen2.5's embedding and head) stay one tensor: copied once, as save_pretrained expects."""
     weights = model.state_dict() if world() == 1 else get_model_state_dict(model, options=FULL)
-    return {k: v.detach().clone() for k, v in weights.items()}
+    copies = {}  # (data_ptr, shape, dtype) -> its copy
+    for v in weights.values():
+        if (v.data_ptr(), v.shape, v.dtype) not in copies:
+            copies[v.data_ptr(), v.shape, v.dtype] = v.detach().clone()
+    return {k: copies[v.data_ptr(), v.shape, v.dtype] for k, v in weights.items()}
 
 
 def load_weights(model, weights: dict):

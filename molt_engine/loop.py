@@ -65,7 +65,9 @@ class Training(Scheduling, Recovery, Evaluation):
         self.evals = [("", self.rollout, cfg.loop.eval_episodes)] + [  # each eval's (metric prefix, rollout, episodes)
             (f"{s.name}/", Rollout(cfg.model_copy(update={"env": s.env, "env_args": s.env_args}), self.processor,
                                    limit, self.stops), s.episodes or cfg.loop.eval_episodes) for s in cfg.eval.suites]
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
+        # fused: one kernel a step and no parameter-sized temporaries, the step's peak (docs/trainer-memory.md)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay,
+                                           fused=True)
         self.reference = None                    # frozen initial policy, only when the KL term is on
         self.sampler: Sampler | None = None      # made after the warm start, from a copy of the weights
         self.published: dict = {}                # the weights the sampler has now: the trainer's own copy

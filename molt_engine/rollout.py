@@ -197,7 +197,7 @@ class Rollout:
         Stops early when `stopping()` says so (before RL began: nothing worth a checkpoint yet). Returns the last
         loss."""
         ws = self.cfg.warm_start
-        optimizer, loss = torch.optim.AdamW(model.parameters(), lr=ws.lr), math.nan
+        optimizer, loss = torch.optim.AdamW(model.parameters(), lr=ws.lr, fused=True), math.nan
         for step in range(ws.steps):
             if stopping():
                 break

