@@ -31,6 +31,7 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}+${TORCH_BUILD}" \
 WORKDIR /src
 COPY constraints.txt pyproject.toml README.md ./
 COPY molt_engine ./molt_engine
+COPY molt_envs ./molt_envs
 COPY daemon ./daemon
 COPY app ./app
 COPY templates ./templates

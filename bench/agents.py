@@ -35,8 +35,8 @@ from chat_overhead import Rates
 
 from molt_engine import register, train
 from molt_engine.config import AlgoConfig
-from molt_engine.builtin_envs import _parse_int, calculator, calculator_question
-from molt_engine.serving.agents import CALCULATOR, CalculatorAgent
+from molt_envs.agents import CALCULATOR, CalculatorAgent
+from molt_envs.builtin import _parse_int, calculator, calculator_question
 
 IN_FLIGHT = 64
 TLS = ssl.create_default_context()  # one for all clients: the SDK's own client makes one each (~25 ms)

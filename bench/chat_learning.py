@@ -25,7 +25,7 @@ import torch
 from molt_engine import NullSink, RunConfig, train
 from molt_engine.chat import stop_ids
 from molt_engine.config import AlgoConfig
-from molt_engine.data import word_problems
+from molt_envs.word_problems import word_problems
 from molt_engine.envs import DEMO_SEEDS
 from molt_engine.models import load_policy
 from molt_engine.rollout import Rollout

@@ -15,7 +15,7 @@ import time
 
 import molt_engine.chat as chat
 from molt_engine import NullSink, train
-from molt_engine.builtin_envs import Calculator
+from molt_envs.builtin import Calculator
 from molt_engine.inference.sampler import Sampler
 
 SPENT = {"template": 0.0, "parse": 0.0, "sampler": 0.0}

@@ -5,7 +5,7 @@
 #   waiting       the innermost frame blocks (a lock, a condition, the event loop's select, a queue)
 #   sampler       inside molt_engine/inference/sampler.py (the decode steps: the model's forward, sampling, KV cache)
 #   trainer       inside update.py / algo.py (log-probs, loss, backward, optimizer step)
-#   env           inside envs.py, builtin_envs.py / chat.py (the env's turns, tool calls, rewards)
+#   env           inside envs.py, molt_envs/builtin.py / chat.py (the env's turns, tool calls, rewards)
 #   tokenization  inside tokenizers / transformers' tokenization code
 #   collation     inside rollout.py (building the episode records)
 #   other         anything else: the loop's own Python (scheduling, metrics, the sink)
@@ -30,7 +30,7 @@ from trl_vs_molt import CALCULATOR_WARM_START, PART2_LR, run_ours, warm_started_
 # innermost frames that block; `_worker` is an executor thread waiting for work (its queue.get is C code)
 WAITS = {"wait", "select", "poll", "get", "acquire", "_wait_for_tstate_lock", "join", "sleep", "_worker"}
 WHERE = [("molt_engine/inference/sampler.py", "sampler"), ("molt_engine/update.py", "trainer"), ("molt_engine/algo.py", "trainer"),
-         ("molt_engine/envs.py", "env"), ("molt_engine/builtin_envs.py", "env"), ("molt_engine/chat.py", "env"), ("tokenizers", "tokenization"),
+         ("molt_engine/envs.py", "env"), ("molt_envs/builtin.py", "env"), ("molt_engine/chat.py", "env"), ("tokenizers", "tokenization"),
          ("tokenization_utils", "tokenization"), ("molt_engine/rollout.py", "collation")]
 ACTIVITIES = ["sampler", "trainer", "env", "tokenization", "collation", "other", "waiting"]
 TICKS = os.sysconf("SC_CLK_TCK")

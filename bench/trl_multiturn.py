@@ -58,7 +58,7 @@ from molt_engine.breaker import Breaker
 from molt_engine.chat import stop_ids
 from molt_engine.config import ModelConfig, RunConfig
 from molt_engine.envs import EVAL_SEEDS, make_env
-from molt_engine.builtin_envs import _OPS, _TOOL_CALL, Calculator
+from molt_envs.builtin import _OPS, _TOOL_CALL, Calculator
 from molt_engine.loop import Training
 from molt_engine.models import load_policy
 from molt_engine.rollout import Rollout

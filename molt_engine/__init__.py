@@ -3,7 +3,9 @@ from .config import RunConfig, config_errors
 from .envs import ENVS, Env, Observation, Result, load_agents_dir, register
 from .serving.agents import Agent, AgentContext  # registers the calculator agent
 from .sink import NullSink, Sink
-from . import builtin_envs, data  # noqa: E402,F401  register the built-in envs and the dataset env
+from . import data  # noqa: E402,F401  registers the dataset env
+from .envs import load_env_packages
+
 
 __all__ = ["ENVS", "Agent", "AgentContext", "Env", "EnvFailure", "NullSink", "Observation", "Result", "RunConfig",
            "Sink", "config_errors", "load_agents_dir", "register", "train"]
@@ -15,3 +17,6 @@ def __getattr__(name):
         from . import loop
         return getattr(loop, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+load_env_packages()  # last: the packages import the engine's contracts from this one

@@ -1,6 +1,5 @@
-"""Datasets as an env: prompts from JSONL, parquet or `datasets` directories, rewards by name; a generator of small
-GSM8K-format word problems (`python -m molt_engine.data OUT.jsonl --rows 2000`)."""
-import argparse
+"""Datasets as an env: prompts from JSONL, parquet or `datasets` directories, rewards by name (a generator of small
+GSM8K-format files: `python -m molt_envs.word_problems OUT.jsonl --rows 2000`)."""
 import asyncio
 import functools
 import json
@@ -10,8 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .envs import DEMO_SEEDS, EVAL_SEEDS, Env, Observation, Result, register, resolve
-
-from .builtin_envs import calculator_question
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 STRICT = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)")
@@ -204,54 +201,3 @@ class Dataset(Env):
         if "answer" not in row:
             raise ValueError("dataset: a warm start needs an 'answer' column (or set warm_start.steps to 0)")
         return [{"role": "assistant", "content": str(row["answer"])}]
-
-
-# ---- a small GSM8K-format dataset -------------------------------------------------------------------------------------
-
-NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivy", "Jon")
-THINGS = ("apples", "pens", "books", "coins", "cards", "shells", "stickers", "marbles")
-PROBLEMS = (("{n} has {a} {t}. {n} gets {b} more. How many {t} does {n} have now?", "+"),
-            ("{n} has {a} {t} and gives away {b}. How many {t} are left?", "-"),
-            ("{n} buys {a} bags with {b} {t} in each. How many {t} are there?", "*"))
-
-
-def word_problem(rng: random.Random) -> dict:
-    """One-step arithmetic on single digits, with GSM8K's answer format: working, then `#### N`."""
-    text, op = rng.choice(PROBLEMS)
-    a, b = rng.randint(1, 9), rng.randint(1, 9)
-    if op == "-":
-        a, b = max(a, b), min(a, b)
-    value = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return {"prompt": text.format(n=rng.choice(NAMES), t=rng.choice(THINGS), a=a, b=b),
-            "answer": f"{a} {op} {b} = {value}\n#### {value}"}
-
-
-def word_problems(rows: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [word_problem(rng) for _ in range(rows)]
-
-
-def chat_corpus():
-    """Text the tiny-chat tokenizer learns its merges from: the chat template's frame around the built-in chat envs'
-    conversations (a calculator tool call and its result, word problems)."""
-    from .builtin_envs import calculator
-    tools = f"<|im_start|>system\n# Tools\ncalculator(expression): {calculator.__doc__.splitlines()[0]}\n<|im_end|>\n"
-    rng = random.Random(0)
-    for _ in range(3000):
-        a, op, b, value = calculator_question(rng)
-        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}{op}{b}"}})
-        yield (f"{tools}<|im_start|>user\nWhat is {a}{op}{b}?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{call}\n"
-               f"</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{value}\n</tool_response><|im_end|>\n"
-               f"<|im_start|>assistant\n{value}<|im_end|>\n")
-        row = word_problem(rng)
-        yield f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n{row['answer']}<|im_end|>\n"
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write a GSM8K-format JSONL file of one-step word problems.")
-    parser.add_argument("out")
-    parser.add_argument("--rows", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in word_problems(args.rows, args.seed)))
-    print(f"wrote {args.rows} rows to {args.out}")

@@ -1,10 +1,12 @@
-"""Environments the agents train on: the Env contract, the registry, and loading users' envs and agents from
-directories (the built-in envs are in builtin_envs.py)."""
+"""Environments the agents train on: the Env contract, the registry, and loading envs and agents from installed
+packages (the built-ins are one: molt_envs) and from users' directories."""
+import importlib
 import importlib.util
 import os
 import sys
 import traceback
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 
 # The seeds an env's reset gets: training prompts are (run seed << 32) + cursor, far below these.
@@ -138,6 +140,20 @@ def resolve(name: str, builtin: dict, what: str):
         raise ValueError(f"unknown {what} {name!r}; known: {', '.join(builtin)}, or module:function of a file "
                          f"in an env directory (--envs)")
     return found
+
+
+BUILTIN_PACKAGES = ("molt_envs",)  # loaded by name as any env package, as pytest loads its own plugins
+
+
+def load_env_packages():
+    """Import the env packages: the built-ins (molt_envs) and each installed package that names itself in the entry
+    point group `molt.envs`. The engine never imports them: they import its contracts and register. One that fails to
+    import is said on stderr and left out; the others load."""
+    for name in dict.fromkeys([*BUILTIN_PACKAGES, *(p.module for p in entry_points(group="molt.envs"))]):
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            print(f"molt: the env package {name} did not load: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 LOAD_ERRORS: dict[str, str] = {}  # file -> why it failed, as of the latest load_user_envs()

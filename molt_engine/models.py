@@ -1,13 +1,13 @@
 """Policies: built-in presets (random init from transformers config classes) with offline tokenizers (characters, or
 byte-level BPE with a chat template), or a local HF directory."""
-import functools
 import math
 import os
 import string
+from pathlib import Path
 
 import peft
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
                           CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen3MoeConfig)
@@ -62,11 +62,6 @@ CHAT_TEMPLATE = (  # no "-" trimming; a newline right after a tag is written {{ 
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
-# Qwen2's pre-tokenizer: words, single digits, punctuation runs, whitespace.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-              r"\s+(?!\S)|\s+")
-
-
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable character: built in code, so it is identical on every machine and needs no hub."""
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
@@ -94,26 +89,12 @@ def device_of(model_cfg) -> torch.device:
 
 
 def chat_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE (Qwen2's pre-tokenizer) trained in code on text of the built-in chat envs, with CHAT_TEMPLATE.
-    The corpus and the trainer are deterministic, so the ids are the same on every machine; any text encodes (bytes)."""
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_chat_bpe()), pad_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"],
-                                   chat_template=CHAT_TEMPLATE)
-
-
-@functools.cache  # a few seconds: once per process
-def _chat_bpe() -> str:
-    from .data import chat_corpus  # the built-in chat envs' text, which imports the envs
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-               "</tool_response>"]
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(chat_corpus(), trainer)
-    return tok.to_str()
+    """Byte-level BPE (Qwen2's pre-tokenizer) with CHAT_TEMPLATE, trained on text of the built-in chat envs: the file
+    beside this one, made by `python -m molt_envs.word_problems --tokenizer PATH` and checked against it by the
+    tests, so the ids are the same on every machine; any text encodes (bytes)."""
+    return PreTrainedTokenizerFast(tokenizer_file=str(Path(__file__).with_name("chat_tokenizer.json")),
+                                   pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE)
 
 
 def load_policy(model_cfg, seed: int):

@@ -18,7 +18,8 @@ from test_agents import _served
 from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
 
 from molt_engine import train
-from molt_engine.serving.agents import CALCULATOR, Agent, AgentContext
+from molt_engine.serving.agents import Agent, AgentContext
+from molt_envs.agents import CALCULATOR
 
 QUESTION = "What is 2*3?"
 SCHEMA = CALCULATOR["function"]

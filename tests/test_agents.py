@@ -12,7 +12,8 @@ import torch
 from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
 
 from molt_engine import EnvFailure, NullSink, RunConfig, train
-from molt_engine.serving.agents import CALCULATOR, Agent, AgentContext
+from molt_engine.serving.agents import Agent, AgentContext
+from molt_envs.agents import CALCULATOR
 from molt_engine.algo import advantages
 from molt_engine.chat import hermes, stop_ids
 from molt_engine.config import ModelConfig

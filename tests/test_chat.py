@@ -1,9 +1,9 @@
 """Chat-native episodes: templates as token deltas, native tool calls, the tiny-chat preset, on real runs."""
 import asyncio
-import hashlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -12,13 +12,14 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config,
 from molt_engine import Env, Observation, Result, RunConfig, train
 from molt_engine.chat import Template, hermes, run_tools, stop_ids
 from molt_engine.config import ModelConfig
-from molt_engine.data import word_problems
 from molt_engine.envs import DEMO_SEEDS
-from molt_engine.builtin_envs import calculator
-from molt_engine.models import CHAT_TEMPLATE, _chat_bpe, chat_tokenizer, load_policy
+from molt_engine.models import CHAT_TEMPLATE, chat_tokenizer, load_policy
 from molt_engine.rollout import Rollout
+from molt_envs.builtin import calculator
+from molt_envs.word_problems import chat_corpus, train_chat_bpe, word_problems
 from test_invariants import action_runs, capture, registered, trained_as_sampled  # noqa: F401  (the fixtures)
 
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"groups_per_step": 2, "group_size": 4, "eval_every": 0}
 
 
@@ -119,13 +120,14 @@ def test_a_qwen2_directory_with_its_own_tokenizer_and_template_trains(tmp_path, 
     assert stop_ids(tok) == [tok.eos_token_id]  # its end of turn is its eos
 
 
-def test_tiny_chat_tokenizer_is_the_same_in_every_process():
-    """Built in code from a deterministic corpus: another process builds the very same vocabulary and merges."""
-    digest = hashlib.sha256(_chat_bpe().encode()).hexdigest()
-    other = subprocess.run([sys.executable, "-c", "import hashlib; from molt_engine.models import _chat_bpe; "
-                            "print(hashlib.sha256(_chat_bpe().encode()).hexdigest())"],
-                           capture_output=True, text=True, check=True)
-    assert other.stdout.strip() == digest
+def test_tiny_chat_tokenizer_is_the_one_its_corpus_trains_in_every_process():
+    """The shipped file (molt_engine/chat_tokenizer.json) is what its deterministic corpus trains, here and in another
+    process: a change to the built-in chat envs' text that changes it fails here, not in a checkpoint's ids."""
+    shipped = (ROOT / "molt_engine" / "chat_tokenizer.json").read_text()
+    assert train_chat_bpe(chat_corpus()) == shipped
+    other = subprocess.run([sys.executable, "-c", "from molt_envs.word_problems import chat_corpus, train_chat_bpe; "
+                            "print(train_chat_bpe(chat_corpus()))"], capture_output=True, text=True, check=True)
+    assert other.stdout.rstrip("\n") == shipped
     tok = chat_tokenizer()
     text = "Ünïcode and émoji 🙂 encode as bytes"
     assert tok.decode(tok(text)["input_ids"]) == text
@@ -193,8 +195,8 @@ def test_calculator_demonstrations_answer_in_the_head_for_their_mental_share():
     from pydantic import ValidationError
 
     from molt_engine import RunConfig
-    from molt_engine.serving.agents import CalculatorAgent
-    from molt_engine.builtin_envs import ChatCalculator
+    from molt_envs.agents import CalculatorAgent
+    from molt_envs.builtin import ChatCalculator
 
     def calls(demo):
         return any(m.get("tool_calls") for m in demo)

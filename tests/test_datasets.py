@@ -8,7 +8,8 @@ import pytest
 
 from molt_engine import RunConfig, config_errors
 from molt_engine.config import ValidationError
-from molt_engine.data import Dataset, gsm8k, math, numeric, reference, word_problems
+from molt_engine.data import Dataset, gsm8k, math, numeric, reference
+from molt_envs.word_problems import word_problems
 from molt_engine.envs import EVAL_SEEDS, load_user_envs
 
 

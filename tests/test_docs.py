@@ -76,7 +76,7 @@ def checked(words: list[str]) -> bool:
         return True
     if words[0] not in ("python", "python3") or len(words) < 2:
         return False
-    ours = words[1] == "-m" and words[2].split(".")[0] in ("molt_engine", "daemon", "app")  # not `-m pytest`
+    ours = words[1] == "-m" and words[2].split(".")[0] in ("molt_engine", "molt_envs", "daemon", "app")  # not `-m pytest`
     return ours or words[1].startswith("bench/")
 
 

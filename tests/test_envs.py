@@ -232,7 +232,7 @@ def drawn_quadrants(image) -> tuple[set, int]:
 
 
 def test_shapes_renders_what_the_answers_say():
-    from molt_engine.builtin_envs import COLOURS, SHAPES
+    from molt_envs.builtin import COLOURS, SHAPES
     for seed in range(40):
         env = make_env("shapes")
         observation = asyncio.run(env.reset(seed))

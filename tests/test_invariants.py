@@ -15,7 +15,7 @@ import molt_engine.loop as loop_mod
 import molt_engine.update as update_mod
 from molt_engine import Env, Observation, Result, register, train
 from molt_engine.envs import ENVS
-from molt_engine.builtin_envs import Calculator, Shapes
+from molt_envs.builtin import Calculator, Shapes
 from molt_engine.episode import Episode, _length_chunks, collate, token_logprobs
 from molt_engine.models import PRESETS, char_tokenizer, load_policy
 from molt_engine.config import ModelConfig

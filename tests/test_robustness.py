@@ -167,7 +167,7 @@ def greedy_with_our_sampler(model, tokenizer, context, images=()) -> list[int]:
 def test_vlm_checkpoint_and_final_load_with_plain_transformers_and_generate(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from molt_engine.config import ModelConfig
-    from molt_engine.builtin_envs import Shapes
+    from molt_envs.builtin import Shapes
     from molt_engine.models import load_policy
     train({"env": "shapes", "model": {"preset": "tiny-vlm"}, "loop": {"groups_per_step": 2, "group_size": 2,
            "steps": 2, "eval_every": 0}, "warm_start": {"steps": 2}, "checkpoint": {"every": 2}}, out_dir=tmp_path)

@@ -190,7 +190,7 @@ def test_images_come_back_as_png_thumbnails_of_what_the_policy_saw():
     import numpy as np
     from PIL import Image
 
-    from molt_engine.builtin_envs import Shapes
+    from molt_envs.builtin import Shapes
     _, processor = load_policy(ModelConfig(preset="tiny-vlm"), 0)
     image = Shapes.render("red", "square", [(2, 2), (18, 18)])
     inputs = processor(text="<image>colour?", images=[image], add_special_tokens=False, return_tensors="pt")

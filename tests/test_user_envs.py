@@ -1,5 +1,6 @@
 """A user's own env directory (--envs / $MOLT_ENVS): loaded by every process, listed, launched, and broken files named."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -151,3 +152,22 @@ def test_molt_train_runs_a_user_agent_from_the_env_directory(tmp_path):
     assert summary["status"] == "completed" and summary["segments_per_episode"] == 1.0
     assert summary["agent_errors"] == 0 and "env_errors" not in summary
     assert "user_agent has no demonstrations: no warm start" in done.stdout + done.stderr
+
+
+def test_an_installed_env_package_registers_through_its_entry_point_and_a_broken_one_is_named(tmp_path):
+    """A package of envs a user pip-installs names itself in the entry point group `molt.envs` (here: its dist-info on
+    the path, as pip writes it); every molt process then has its envs beside the built-ins. One that fails to import
+    is named on stderr and the rest load."""
+    site = tmp_path / "site"
+    for name, code in (("user_envs_pkg", ECHO), ("broken_envs_pkg", "raise RuntimeError('half installed')\n")):
+        (site / name).mkdir(parents=True)
+        (site / name / "__init__.py").write_text(code)
+        info = site / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[molt.envs]\nenvs = {name}\n")
+    proc = subprocess.run([sys.executable, "-c", "import molt_engine; print(' '.join(sorted(molt_engine.ENVS)))"],
+                          env=child_env(tmp_path, PYTHONPATH=f"{site}{os.pathsep}{ROOT}"), cwd=tmp_path,
+                          capture_output=True, text=True, check=True)
+    assert {"user_echo", "max_digit", "chat_calculator", "calculator_agent", "dataset"} <= set(proc.stdout.split())
+    assert "molt: the env package broken_envs_pkg did not load: RuntimeError: half installed" in proc.stderr

@@ -1,5 +1,5 @@
 """The built-in envs: largest digit (text), a calculator tool in text and in chat, guess-the-number over several
-turns, and shapes in an image (vision)."""
+turns, and shapes in an image (vision). Written against the engine's Env contract as a user's envs are."""
 import ast
 import asyncio
 import operator
@@ -9,7 +9,7 @@ import warnings
 
 from PIL import Image, ImageDraw
 
-from .envs import Env, Observation, Result, register
+from molt_engine.envs import Env, Observation, Result, register
 
 
 def _parse_int(text: str) -> int | None:
