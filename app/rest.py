@@ -111,12 +111,14 @@ def start_daemon(request: Request):
 
 @protected.get("/envs", response_model=list[EnvInfo], tags=["meta"])
 def envs():
-    """The environments a config may name: the built-in ones and those of the user's env directories (--envs)."""
+    """The environments a config may name: the built-in ones, those of installed env packages and of the user's env
+    directories (--envs)."""
     load_user_envs()  # a file added or fixed since the server started is listed now
     return [{"name": name, "description": ((cls.__doc__ or "").strip().splitlines() or [""])[0],
              "max_turns": cls.max_turns, "max_tokens": cls.max_tokens, "chat": cls.chat,
              "tools": cls.tool_names(), "agent": issubclass(cls, Agent),
-             "source": None if cls.__module__.startswith("molt_engine.") else inspect.getsourcefile(cls)}
+             "source": None if cls.__module__.split(".")[0] in ("molt_engine", "molt_envs")
+             else inspect.getsourcefile(cls)}
             for name, cls in sorted(ENVS.items())]
 
 

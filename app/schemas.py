@@ -29,7 +29,8 @@ class EnvInfo(Out):
     description: str
     max_turns: int
     max_tokens: int
-    source: str | None = Field(description="the file of a user's env (from --envs); null for a built-in one")
+    source: str | None = Field(description="the file of a user's env (from --envs or an installed env package); "
+                               "null for a built-in one")
     chat: bool = Field(False, description="speaks chat messages through the policy's chat template (needs one)")
     tools: list[str] = Field(default_factory=list, description="the tools a chat env's policy calls natively")
     agent: bool = Field(False, description="an agent: its own code drives the episode through an OpenAI client "
