@@ -1,11 +1,9 @@
 """molt_engine: a compact async RL engine for language-model agents (plain PyTorch + transformers, no server)."""
 from .config import RunConfig, config_errors
-from .envs import ENVS, Env, Observation, Result, load_agents_dir, register
-from .serving.agents import Agent, AgentContext  # registers the calculator agent
+from .envs import ENVS, Env, Observation, Result, load_agents_dir, load_env_packages, register
+from .serving.agents import Agent, AgentContext
 from .sink import NullSink, Sink
 from . import data  # noqa: E402,F401  registers the dataset env
-from .envs import load_env_packages
-
 
 __all__ = ["ENVS", "Agent", "AgentContext", "Env", "EnvFailure", "NullSink", "Observation", "Result", "RunConfig",
            "Sink", "config_errors", "load_agents_dir", "register", "train"]
