@@ -342,6 +342,10 @@ def cmd_train(args) -> int:
             sink.bar.close()
     if rank == 0:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}, indent=1))
+    if "LOCAL_RANK" in os.environ:  # a torchrun rank, all written: end as the daemon's worker does, without the
+        sys.stdout.flush()          # interpreter's teardown, which aborted a finished rank on a library thread once
+        sys.stderr.flush()          # ("terminate called without an active exception")
+        os._exit(EXIT_CODES[summary["status"]])
     return EXIT_CODES[summary["status"]]
 
 

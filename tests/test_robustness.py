@@ -197,13 +197,17 @@ def molt_train(out, *extra):
 @pytest.mark.parametrize("kills", [pytest.param(4, id="4-kills"), pytest.param(10, id="10-kills", marks=pytest.mark.slow)])
 def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
     cfg_file = tmp_path / "run.json"
-    cfg_file.write_text(json.dumps(config(loop={"steps": 60}, checkpoint={"every": 2, "keep": 2})))
+    # Room for every kill: an attempt trains up to ~10 steps (~60 ms each) before its kill; a run that ended early
+    # would wait for a checkpoint that never comes
+    steps = 20 * kills
+    cfg_file.write_text(json.dumps(config(loop={"steps": steps}, checkpoint={"every": 2, "keep": 2})))
     root, out = tmp_path / "run" / "checkpoints", tmp_path / "run"
     rng = random.Random(0)
     proc = molt_train(out, "--config", str(cfg_file))
     for i in range(kills):
         before = checkpoint.latest(root)
-        wait_until(lambda: checkpoint.latest(root) != before, 120, 0.05, "a new checkpoint")
+        wait_until(lambda: checkpoint.latest(root) != before or proc.poll() is not None, 120, 0.05, "a new checkpoint")
+        assert proc.poll() is None, f"kill {i}: the run ended first ({proc.returncode}): {proc.stderr.read()[-3000:]}"
         if i % 2:  # half the kills land while a checkpoint is being written
             wait_until(lambda: any(root.glob(".tmp-step-*")) or proc.poll() is not None, 60, 0.01, "a checkpoint write")
         else:
@@ -216,7 +220,7 @@ def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
         assert len(list(root.glob("step-*"))) <= 2 + 1  # the last K, plus one killed between its write and pruning
         proc = molt_train(out, "--resume")
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
-    assert checkpoint.latest(root).name == "step-000060"
+    assert checkpoint.latest(root).name == f"step-{steps:06d}"
     assert (out / "final" / "model.safetensors").exists()
 
 
