@@ -156,6 +156,9 @@ class Training(Scheduling, Recovery, Evaluation):
         # decode on a copy of their own, so that one eval is one policy while training publishes (more memory).
         loop, policy = self.cfg.loop, copy.deepcopy(self.model)  # LoRA: the sampler's is a plain model, merged weights
         policy = (policy.merge_and_unload() if self.cfg.model.lora else policy).to(getattr(torch, dtype))
+        if policy.is_activation_checkpointing:  # the trainer's; its input hook, a local function, would also keep
+            policy.activation_checkpointing_disable()  # a sampler process from pickling the copy
+            policy.disable_input_require_grads()
         kw = dict(stop_ids=self.stops, pad_id=self.pad_id, version=self.version, temperature=loop.temperature,
                   kv_budget_gb=loop.kv_budget_gb, cuda_graphs=loop.cuda_graphs)
         self.sampler = (SamplerProcess(policy, **kw) if loop.sampler_process else

@@ -134,3 +134,13 @@ def test_the_published_weights_and_a_checkpoint_hold_a_tied_embedding_once(tmp_p
         assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
     loaded = type(model).from_pretrained(path / "policy", dtype=torch.float32)
     assert torch.equal(loaded.lm_head.weight, weights["lm_head.weight"])
+
+
+def test_a_checkpointed_policy_trains_with_a_sampler_process(tmp_path):
+    """The sampler's copy leaves checkpointing to the trainer: its input hook, a local function, kept a sampler
+    process (which pickles the copy) from starting on every model.path run, where checkpointing is the default."""
+    from molt_engine import train
+    summary = train({"env": "max_digit", "model": {"gradient_checkpointing": True}, "warm_start": {"steps": 0},
+                     "loop": {"steps": 2, "groups_per_step": 2, "group_size": 2, "eval_every": 0,
+                              "sampler_process": True}}, out_dir=tmp_path)
+    assert summary["status"] == "completed" and summary["step"] == 2
