@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from daemon.db import add_event, digest, finish_run, set_run
@@ -164,24 +165,30 @@ def register(request: Request, body: ExternalRunBody, idempotency_key: Idempoten
     the run and its ingest token (kept only as a hash here). The same Idempotency-Key again returns the same run,
     with a new ingest token (the first answer, and its token, were lost)."""
     token, cfg, t = secrets.token_urlsafe(32), body.config, now()
-    with Session(records_of(request).engine) as s:
-        again = idempotency_key and s.scalar(select(Run.id).where(Run.idempotency_key == idempotency_key))
-        if again:
-            s.execute(update(Run).where(Run.id == again).values(ingest_token=digest(token)))
+    # External keys have their own namespace: a client's key can name no daemon or sweep run ("sweep:ID:POINT:SEED")
+    key = idempotency_key and f"external:{idempotency_key}"
+    for _ in range(2):  # a second look when a concurrent registration with the same key committed first
+        with Session(records_of(request).engine) as s:
+            again = key and s.scalar(select(Run.id).where(Run.idempotency_key == key, Run.host.is_not(None)))
+            if again:
+                s.execute(update(Run).where(Run.id == again).values(ingest_token=digest(token)))
+                s.commit()
+                return {"run": records_of(request).get_run(again), "ingest_token": token}
+            run = Run(name=(body.name or f"{cfg.env}@{body.host}-{time.strftime('%Y%m%d-%H%M%S')}").strip(),
+                      tags=body.tags, config=cfg.model_dump(mode="json"), total_steps=cfg.loop.steps, max_restarts=0,
+                      status="running", started_at=t, pid=body.pid, host=body.host, ranks=body.ranks,
+                      ingest_token=digest(token), idempotency_key=key)
+            s.add(run)
+            try:
+                s.flush()
+            except IntegrityError:  # the key's unique constraint: the other registration's run is the one
+                continue
+            s.add(Attempt(run_id=run.id, number=1, pid=body.pid, started_at=t, heartbeat_at=t))
+            add_event(s, run.id, "external", f"external run on {body.host} (pid {body.pid}, {body.ranks} rank(s))",
+                      host=body.host, pid=body.pid, ranks=body.ranks)
             s.commit()
-            return {"run": records_of(request).get_run(again), "ingest_token": token}
-        run = Run(name=(body.name or f"{cfg.env}@{body.host}-{time.strftime('%Y%m%d-%H%M%S')}").strip(),
-                  tags=body.tags, config=cfg.model_dump(mode="json"), total_steps=cfg.loop.steps, max_restarts=0,
-                  status="running", started_at=t, pid=body.pid, host=body.host, ranks=body.ranks,
-                  ingest_token=digest(token), idempotency_key=idempotency_key)
-        s.add(run)
-        s.flush()
-        s.add(Attempt(run_id=run.id, number=1, pid=body.pid, started_at=t, heartbeat_at=t))
-        add_event(s, run.id, "external", f"external run on {body.host} (pid {body.pid}, {body.ranks} rank(s))",
-                  host=body.host, pid=body.pid, ranks=body.ranks)
-        s.commit()
-        run_id = run.id
-    return {"run": records_of(request).get_run(run_id), "ingest_token": token}
+            return {"run": records_of(request).get_run(run.id), "ingest_token": token}
+    raise HTTPException(409, f"Idempotency-Key {idempotency_key!r} is taken and its run is not found")
 
 
 def ingest_owner(request: Request, run_id: RunId,

@@ -313,3 +313,47 @@ def test_a_process_whose_run_the_dashboard_refuses_stops_keeps_its_records_and_d
     spooled = [json.loads(line) for p in tmp_path.glob("report-spool-*.jsonl") for line in p.read_text().splitlines()]
     assert {"metrics", "end"} <= {r["t"] for r in spooled}  # kept for a later --resume
     assert len(web["client"].get(f"/api/v1/runs/{run_id}/attempts").json()) == 1
+
+
+def test_an_idempotency_key_finds_external_runs_only_and_a_future_sweeps_key_breaks_no_sweep(web):
+    """External keys have their own namespace (issue 64, item 3): a sweep run's key registers a new external run
+    (never that daemon run, with a token for it), and a key taken first by a registration leaves the sweep whole."""
+    from daemon.sweep_tick import tick_sweeps
+    from daemon.sweeps import SweepRequest
+    grid = SweepRequest.model_validate({"name": "keys", "config": FAST, "seeds": 1,
+                                        "params": {"algo.lr": {"values": [1e-3, 3e-3]}}})
+    sweep_id = web["records"].queue_sweep(grid)["id"]
+    future = sweep_id + 1
+    taken = register(web, {"env": "max_digit"}, key=f"sweep:{future}:0:0")  # before that sweep exists
+    tick_sweeps(web["records"].engine, lambda _s: 8)
+    assert web["records"].queue_sweep(grid.model_copy(update={"name": "later"}))["id"] == future
+    tick_sweeps(web["records"].engine, lambda _s: 8)
+    later = web["records"].get_sweep(future)
+    assert later["status"] == "running" and len(later["runs"]) == 2, later
+    sweep_run = next(r for r in web["records"].get_sweep(sweep_id)["runs"] if r["sweep_point"] == 0)["id"]
+    response = register(web, {"env": "max_digit"}, key=f"sweep:{sweep_id}:0:0")
+    assert response.status_code == 201 and response.json()["run"]["id"] not in (sweep_run, taken.json()["run"]["id"])
+    assert response.json()["run"]["host"] == WHERE["host"]
+    assert ingest(web, sweep_run, response.json()["ingest_token"], [metrics(0)]).status_code == 403
+    with Session(web["records"].engine) as s:
+        assert s.get(Run, sweep_run).ingest_token is None and s.get(Run, sweep_run).status == "queued"
+    for sweep in (sweep_id, future):
+        web["client"].post(f"/api/v1/sweeps/{sweep}/stop")
+
+
+def test_concurrent_registrations_with_one_key_return_one_run(web):
+    """Real concurrent HTTP requests (a retry racing its lost first try): one run, the same for all, no 500."""
+    from concurrent.futures import ThreadPoolExecutor
+    from threading import Barrier
+    for attempt in range(3):
+        barrier, key = Barrier(8), f"race-{attempt}"
+
+        def racer(_):
+            barrier.wait()
+            return register(web, {"env": "max_digit"}, key=key)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(racer, range(8)))
+        assert [a.status_code for a in answers] == [201] * 8, [a.text for a in answers if a.status_code != 201]
+        assert len({a.json()["run"]["id"] for a in answers}) == 1
+        with Session(web["records"].engine) as s:
+            assert s.scalar(text("SELECT count(*) FROM run WHERE idempotency_key LIKE :k"), {"k": f"%{key}"}) == 1
