@@ -57,8 +57,8 @@ class ModelConfig(_Strict):
 
     @field_validator("tool_parser")
     @classmethod
-    def _known_parser(cls, v):
-        if v != "hermes":  # the built-in one (chat.PARSERS, which needs transformers)
+    def _known_parser(cls, v, info):
+        if v != "hermes" and info.context != ELSEWHERE:  # the built-in one (chat.PARSERS, which needs transformers)
             from .envs import resolve
             resolve(v, {"hermes": None}, "tool parser")
         return v

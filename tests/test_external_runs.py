@@ -54,7 +54,8 @@ def supervisor(web, **options) -> Supervisor:
 @pytest.mark.parametrize("config", [
     {"env": "chat_calculator", "model": {"path": "/models/on-the-gpu-node/qwen"}},    # no chat template here
     {"env": "dataset", "env_args": {"path": "/data/on-the-gpu-node/train.jsonl"}},    # no such file here
-    {"env": "my_env_from_molt_envs_there", "eval": {"suites": [{"name": "x", "env": "another_of_mine"}]}}])
+    {"env": "my_env_from_molt_envs_there", "eval": {"suites": [{"name": "x", "env": "another_of_mine"}]}},
+    {"env": "chat_calculator", "model": {"preset": "tiny-chat", "tool_parser": "my_parsers:parse_there"}}])
 def test_an_external_run_whose_files_are_elsewhere_registers_and_reports(web, config):
     response = register(web, config)
     assert response.status_code == 201, response.text
@@ -63,6 +64,16 @@ def test_an_external_run_whose_files_are_elsewhere_registers_and_reports(web, co
     run = web["client"].get(f"/api/v1/runs/{run_id}").json()
     assert run["status"] == "running" and run["step"] == 1 and run["config"]["env"] == config["env"]
     assert run_id in [r["id"] for r in web["client"].get("/api/v1/runs").json()]
+
+
+def test_an_external_run_mirrored_to_a_tracker_not_installed_here_registers(web, monkeypatch):
+    """The trackers are installed where the run trains (issue 64, item 7); a run queued here still needs them."""
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # what find_spec sees when mlflow is not installed
+    config = {**FAST, "report": {"to": ["mlflow"]}}
+    assert register(web, config).status_code == 201
+    refused = web["client"].post("/api/v1/runs", json={"config": config})
+    assert refused.status_code == 422 and "mlflow is not installed" in refused.text
+    assert register(web, {**FAST, "report": {"to": ["mlflow", "mlflow"]}}).status_code == 422  # the schema's rule
 
 
 def test_an_external_config_is_still_checked_against_the_schema(web):
