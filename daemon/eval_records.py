@@ -3,7 +3,7 @@ where an evaluation's files and a model section's samples are kept."""
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import create_engine, inspect, select, update
+from sqlalchemy import create_engine, func, inspect, select, update
 from sqlalchemy.pool import NullPool
 from sqlmodel import Session
 
@@ -11,7 +11,7 @@ from molt_engine.checkpoint import complete, resolve, step_of
 from molt_engine.config import RunConfig
 
 from .db import run_dir
-from .models import Evaluation, Run, Sample, now
+from .models import EvalResult, Evaluation, Run, Sample, now
 
 LIVE = ("running", "restarting", "stopping")    # a slot is taken: a worker lives or is about to
 ENDED = ("completed", "failed", "stopped")
@@ -86,7 +86,7 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
                                 max_restarts=request.max_restarts)
         s.add(evaluation)
         s.flush()  # its id
-        queued = as_dict(evaluation)
+        queued = as_dict(evaluation, 0)
         s.commit()
         return queued
 
@@ -115,14 +115,21 @@ def policy_of(run: Run, home: Path, checkpoint: str | int) -> tuple[Path, int | 
     raise EvalInvalid(("checkpoint",), f'checkpoint must be "best", "final", "latest" or a step, not {checkpoint!r}')
 
 
-def as_dict(e: Evaluation) -> dict:
-    return {**e.model_dump(exclude={"results"}), "done": len(e.results)}
+def as_dict(e: Evaluation, done: int) -> dict:
+    """The evaluation with `done`, its episodes recorded so far."""
+    return {**e.model_dump(), "done": done}
+
+
+def recorded(s: Session, eval_ids: list[int]) -> dict[int, int]:
+    """Each evaluation's recorded episodes, counted in one query."""
+    return dict(s.execute(select(EvalResult.eval_id, func.count()).where(EvalResult.eval_id.in_(eval_ids))
+                          .group_by(EvalResult.eval_id)).all())
 
 
 def get_eval(engine, eval_id: int) -> dict | None:
     with Session(engine) as s:
         e = s.get(Evaluation, eval_id)
-        return as_dict(e) if e else None
+        return as_dict(e, recorded(s, [eval_id]).get(eval_id, 0)) if e else None
 
 
 def list_evals(engine, run_id: int | None = None, limit: int = 200) -> list[dict]:
@@ -130,7 +137,9 @@ def list_evals(engine, run_id: int | None = None, limit: int = 200) -> list[dict
     if run_id is not None:
         query = query.where(Evaluation.run_id == run_id)
     with Session(engine) as s:
-        return [as_dict(e) for e in s.scalars(query)]
+        evals = s.scalars(query).all()
+        done = recorded(s, [e.id for e in evals])
+        return [as_dict(e, done.get(e.id, 0)) for e in evals]
 
 
 def stop_eval(engine, eval_id: int) -> bool:

@@ -8,7 +8,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.dialects.sqlite import insert
 from sqlmodel import Session
 
@@ -17,7 +17,7 @@ from molt_engine.scores import metric_means, scores
 
 from .db import connect, data_home, eval_dir, hold_lock
 from .eval_records import LIVE, samples_db
-from .models import Evaluation, Sample, now
+from .models import EvalResult, Evaluation, Sample, now
 
 CONCURRENT_EPISODES = 64   # in flight at once: a kill loses at most these (16: half the episodes/s, bench/evals.py)
 
@@ -61,7 +61,9 @@ async def evaluate(engine, eval_id: int, directory: Path):
 
     with Session(engine) as s:
         e = s.get(Evaluation, eval_id)
-        c, run_id, results = e.config, e.run_id, dict(e.results)
+        c, run_id = e.config, e.run_id
+        results = {str(r.position): [r.reward, r.success, r.metrics, r.error]
+                   for r in s.scalars(select(EvalResult).where(EvalResult.eval_id == eval_id))}
     cfg = RunConfig.model_validate({"env": c["env"], "env_args": c["env_args"], "model": c["model"], "seed": c["seed"]})
     model, processor = load_policy(cfg.model, c.get("base_seed", cfg.seed))  # a LoRA run's base: built as it was
     if c.get("adapter"):  # a LoRA run's checkpoint: its adapter on that base
@@ -81,10 +83,10 @@ async def evaluate(engine, eval_id: int, directory: Path):
 
     # Core statements compiled once, with each episode's values as parameters (building an ORM statement per episode
     # cost ten times its commit)
-    set_results = update(Evaluation).where(Evaluation.id == eval_id)
+    add_result = insert(EvalResult).on_conflict_do_nothing()  # appended: N episodes, N small writes
     add_sample = insert(Sample).on_conflict_do_nothing() if own is None else insert(Sample).prefix_with("OR REPLACE")
 
-    def save(position: int, prompt: int, ep, recorded: dict):
+    def save(position: int, prompt: int, ep, result: list):
         sample = None
         if ep is not None:
             r = record(ep, processor, 0)
@@ -97,7 +99,8 @@ async def evaluate(engine, eval_id: int, directory: Path):
             with own.begin() as conn:
                 conn.execute(add_sample, sample)
         with engine.begin() as conn:  # the result and a run's sample in one commit: a kill records both or neither
-            conn.execute(set_results, {"results": recorded})
+            conn.execute(add_result, dict(zip(("reward", "success", "metrics", "error"), result),
+                                          eval_id=eval_id, position=position))
             if sample and own is None:
                 conn.execute(add_sample, sample)
 
@@ -110,9 +113,8 @@ async def evaluate(engine, eval_id: int, directory: Path):
             except Exception as error:  # an env that fails counts as a failed episode, with its error
                 ep, result = None, [0.0, False, {}, f"{type(error).__name__}: {error}"[:500]]
         results[str(position)] = result
-        # Off the event loop (it would hold up the sampler's steps), on one thread: the commits land in this order,
-        # so the recorded results only ever grow
-        await asyncio.get_running_loop().run_in_executor(writer, save, position, prompt, ep, dict(results))
+        # Off the event loop (it would hold up the sampler's steps), on one thread: the commits land in this order
+        await asyncio.get_running_loop().run_in_executor(writer, save, position, prompt, ep, result)
 
     async def beat():
         """The heartbeat carries progress (tokens sampled, episodes recorded) and beats only when it grows: a worker

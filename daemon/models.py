@@ -1,7 +1,7 @@
 """The records: SQLModel tables of runs, attempts, metrics, versions, checkpoints, alerts, events, samples, evals."""
 import time
 
-from sqlalchemy import JSON, Boolean, Column, Index, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, Column, ForeignKey, Index, Integer, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 # Named constraints, so that Alembic's batch mode on SQLite can find and drop them in later migrations.
@@ -238,9 +238,8 @@ EVAL_STATUSES = ("queued", "running", "restarting", "stopping", "completed", "fa
 
 class Evaluation(SQLModel, table=True):
     """An evaluation job: a policy (a run's checkpoint, or a model section) on an env, `episodes` episodes in groups
-    of `k` per prompt. `results` holds each finished episode by its position ([reward, success, env metrics]): a
-    restarted worker runs only the missing ones. A run's evaluation also records its episodes as samples (kind
-    "evaluation", step = this id)."""
+    of `k` per prompt. Its finished episodes are its EvalResult rows: a restarted worker runs only the missing ones.
+    A run's evaluation also records its episodes as samples (kind "evaluation", step = this id)."""
     __table_args__ = NEVER_REUSED
     id: int | None = Field(default=None, primary_key=True)
     run_id: int | None = Field(default=None, foreign_key="run.id", index=True)  # the source run, if any
@@ -249,7 +248,6 @@ class Evaluation(SQLModel, table=True):
     policy_path: str | None = None         # the policy directory loaded; None = model.preset built from the seed
     config: dict = Field(sa_column=Column(JSON, nullable=False))  # model, env, env_args, episodes, k, temperature, seed
     status: str = Field(default="queued", index=True)  # see EVAL_STATUSES
-    results: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     metrics: dict | None = Field(default=None, sa_column=Column(JSON))
     restarts: int = 0
     max_restarts: int = 3
@@ -259,3 +257,15 @@ class Evaluation(SQLModel, table=True):
     created_at: float = Field(default_factory=now)
     started_at: float | None = None
     finished_at: float | None = None
+
+
+class EvalResult(SQLModel, table=True):
+    """One finished episode of an evaluation, by its position: a row each, appended as it ends, so that N episodes
+    cost N small writes (the whole results rewritten per episode was quadratic up to 100,000 episodes)."""
+    __tablename__ = "eval_result"
+    eval_id: int = Field(sa_column=Column(Integer, ForeignKey("evaluation.id", ondelete="CASCADE"), primary_key=True))
+    position: int = Field(primary_key=True)
+    reward: float | None = None
+    success: bool
+    metrics: dict = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))  # the env's own
+    error: str | None = Field(default=None, sa_column=Column(Text))  # an env that failed: a failed episode

@@ -528,3 +528,44 @@ def test_the_migration_gives_earlier_evaluations_their_samples(tmp_path):
     upgrade(engine, tmp_path)
     with engine.connect() as conn:
         assert sorted(conn.exec_driver_sql("SELECT kind, eval_id FROM sample")) == [("evaluation", 7), ("train", None)]
+
+
+def test_an_evaluations_results_cost_linear_writes_and_read_back_as_its_samples(tmp_path):
+    """Each episode's result is a row appended as it ends (issue 64, item 9): 4x the episodes write about 4x the
+    bytes (the whole results JSON rewritten per episode wrote 16x), and every episode's row matches its sample."""
+    import asyncio
+
+    from sqlalchemy import event
+
+    from daemon.evals import evaluate
+    from daemon.models import EvalResult
+    records = Records(tmp_path)
+    written = []
+    event.listen(records.engine, "before_cursor_execute",  # what the worker sends to the evaluation's records
+                 lambda conn, cursor, statement, parameters, *_: written.append(
+                     len(statement) + len(repr(parameters)) if "eval" in statement.split("(")[0].lower() else 0))
+
+    def bytes_written(episodes: int) -> tuple[int, int]:
+        request = EvalRequest(model={"preset": "tiny-dense"}, env="max_digit", episodes=episodes)
+        eval_id = queue_eval(records.engine, records.home, request)["id"]
+        eval_dir(records.home, eval_id).mkdir(parents=True)  # as the worker's main makes it, started as the daemon does
+        with records.engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE evaluation SET status = 'running' WHERE id = ?", (eval_id,))
+        written.clear()
+        asyncio.run(evaluate(records.engine, eval_id, eval_dir(records.home, eval_id)))
+        return sum(written), eval_id
+
+    small, _ = bytes_written(12)
+    large, eval_id = bytes_written(48)
+    print(f"bytes written to the evaluation's records: 12 episodes {small}, 48 episodes {large}")
+    assert large < 6 * small, (small, large)
+    with Session(records.engine) as s:
+        rows = {r.position: (r.reward, r.success) for r in s.scalars(select(EvalResult)
+                                                                       .where(EvalResult.eval_id == eval_id))}
+    with Session(eval_records.samples_db(eval_dir(records.home, eval_id))) as s:
+        samples = {p: (r, ok) for p, r, ok in s.execute(select(Sample.position, Sample.reward, Sample.success)
+                                                         .where(Sample.eval_id == eval_id))}
+    assert sorted(rows) == list(range(48)) and rows == samples
+    final = get_eval(records.engine, eval_id)
+    assert final["done"] == 48 and final["metrics"]["episodes"] == 48
+    assert final["metrics"]["mean_reward"] == pytest.approx(sum(r for r, _ in rows.values()) / 48)
