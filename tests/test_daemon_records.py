@@ -55,7 +55,7 @@ def test_upgrade_head_gives_exactly_the_models_schema_and_downgrade_base_empties
     SQLModel.metadata.create_all(created)
 
     assert set(schema(migrated)) == {"run", "attempt", "metric", "metric_bucket", "policy_version", "checkpoint",
-                                     "alert", "event", "daemon_event", "sample", "evaluation", "sweep"}
+                                     "alert", "event", "daemon_event", "sample", "evaluation", "eval_result", "sweep"}
     assert schema(migrated) == schema(created)
     with migrated.connect() as conn:  # what `alembic check` does: no difference between models and database
         assert compare_metadata(MigrationContext.configure(conn), SQLModel.metadata) == []

@@ -569,3 +569,21 @@ def test_an_evaluations_results_cost_linear_writes_and_read_back_as_its_samples(
     final = get_eval(records.engine, eval_id)
     assert final["done"] == 48 and final["metrics"]["episodes"] == 48
     assert final["metrics"]["mean_reward"] == pytest.approx(sum(r for r, _ in rows.values()) / 48)
+
+
+def test_the_migration_moves_earlier_results_to_their_rows(tmp_path):
+    from alembic import command
+
+    from daemon.db import alembic_config, sqlite_engine, upgrade
+    engine = sqlite_engine(f"sqlite:///{tmp_path / 'molt.db'}")
+    with engine.begin() as conn:
+        command.upgrade(alembic_config(conn), "0011_sweeps")  # results as one JSON per evaluation
+        conn.exec_driver_sql("INSERT INTO evaluation (id, config, status, results, restarts, max_restarts, "
+                             "created_at) VALUES (3, '{}', 'running', '{\"0\": [1.0, true, {\"len\": 2}, null], "
+                             "\"1\": [0.0, false, {}, \"ValueError: x\"]}', 0, 3, 0)")
+    upgrade(engine, tmp_path)
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT position, reward, success, metrics, error FROM eval_result "
+                                    "WHERE eval_id = 3 ORDER BY position").all()
+    assert [tuple(r) for r in rows] == [(0, 1.0, 1, '{"len":2}', None), (1, 0.0, 0, "{}", "ValueError: x")]
+    assert get_eval(engine, 3)["done"] == 2
