@@ -52,7 +52,8 @@ with_eval = {404: _problem("no such evaluation")}
 def create_eval(request: Request, body: EvalRequest):
     """Queue an evaluation of a run's checkpoint (`run_id`, `checkpoint`: best, final, latest or a step) or of a
     `model` section, on an env (`env`, `env_args`; default the run's) or a `dataset` file: `episodes` episodes,
-    `k` per prompt, greedy when `temperature` is 0. 422 names the field that is wrong."""
+    `k` per prompt, greedy when `temperature` is 0 (left out: greedy with k 1, the run's own loop.temperature
+    with k > 1). 422 names the field that is wrong."""
     records = records_of(request)
     try:
         return eval_records.queue_eval(records.engine, records.home, body)

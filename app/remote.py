@@ -58,7 +58,8 @@ def add_commands(commands):
     e.add_argument("--dataset", help="a dataset file to evaluate on instead of an env")
     e.add_argument("--episodes", type=int, default=64, help="episodes in all (default 64): episodes/k prompts")
     e.add_argument("--k", type=int, default=1, help="samples per prompt, for pass@k (default 1)")
-    e.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    e.add_argument("--temperature", type=float, help="0 = greedy; default: greedy with --k 1, with a larger --k "
+                   "the run's own loop.temperature")
     e.add_argument("--seed", type=int, default=0)
     wait_options(e, "wait until it ends and print its metrics")
     e.add_argument("--min", action="append", default=[], metavar="METRIC=VALUE",
@@ -240,6 +241,9 @@ def evaluate(client, args) -> int:
                 return EXIT_BAD_INPUT
     evaluation = call(client, "POST", "/api/v1/evals", json=body).json()
     print(f"evaluation {evaluation['id']} queued", file=sys.stderr)
+    if args.temperature is None and args.k > 1:  # the temperature it chose: pass@k needs sampling, not greedy
+        print(f"molt eval: --k {args.k} without --temperature: sampling at the run's temperature "
+              f"{evaluation['config']['temperature']:g}", file=sys.stderr)
     if not (args.wait or thresholds):
         print(json.dumps(evaluation, indent=1))
         return 0

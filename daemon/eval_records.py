@@ -38,7 +38,9 @@ class EvalRequest(BaseModel):
     dataset: str | None = Field(None, min_length=1, description="a dataset file to evaluate on (the dataset env)")
     episodes: int = Field(64, ge=1, le=100_000, description="episodes in all: episodes / k prompts, k samples each")
     k: int = Field(1, ge=1, le=1024, description="samples per prompt (pass@k)")
-    temperature: float = Field(0.0, ge=0, le=100, allow_inf_nan=False, description="0 = greedy")
+    temperature: float | None = Field(None, ge=0, le=100, allow_inf_nan=False, description=(
+        "0 = greedy; not given: greedy with k 1, with k > 1 the run's own loop.temperature (a model section's: "
+        "the default loop.temperature)"))
     seed: int = Field(0, ge=0, lt=2**30, description="seeds the sampling")
     max_restarts: int = Field(3, ge=0, le=100, description="worker restarts after a crash")
 
@@ -52,7 +54,8 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
         raise EvalInvalid(("k",), f"k ({request.k}) is more than episodes ({request.episodes})")
     if request.episodes % request.k:
         raise EvalInvalid(("episodes",), f"episodes ({request.episodes}) must be a multiple of k ({request.k})")
-    if request.k > 1 and request.temperature == 0:  # greedy: a prompt's k samples are one reply k times
+    if request.k > 1 and request.temperature == 0:  # greedy: a prompt's k samples are one reply k times (only an
+        # explicit 0 is refused: left out, k > 1 samples at the run's temperature, as `molt eval --k 4` always did)
         raise EvalInvalid(("k",), f"k ({request.k}) needs a temperature above 0: at temperature 0 a prompt's "
                                   f"{request.k} samples are the same greedy reply, so pass@{request.k} would be pass@1")
     if request.dataset and (request.env or request.env_args):
@@ -78,8 +81,11 @@ def queue_eval(engine, home: Path, request: EvalRequest) -> dict:
         except ValidationError as e:
             error = e.errors()[0]
             raise EvalInvalid(tuple(error["loc"]) or ("env",), error["msg"]) from None
+        temperature = request.temperature
+        if temperature is None:
+            temperature = 0.0 if request.k == 1 else (run.config if run else cfg.model_dump())["loop"]["temperature"]
         config = {"model": cfg.model.model_dump(mode="json"), "env": env, "env_args": env_args,
-                  **request.model_dump(include={"episodes", "k", "temperature", "seed"}),
+                  **request.model_dump(include={"episodes", "k", "seed"}), "temperature": temperature,
                   **({"adapter": str(path), "base_seed": run.config["seed"]} if run and adapter else {})}
         evaluation = Evaluation(run_id=request.run_id, checkpoint=str(request.checkpoint) if run else None,
                                 step=step, policy_path=str(path) if path else cfg.model.path, config=config,

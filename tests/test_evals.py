@@ -587,3 +587,25 @@ def test_the_migration_moves_earlier_results_to_their_rows(tmp_path):
                                     "WHERE eval_id = 3 ORDER BY position").all()
     assert [tuple(r) for r in rows] == [(0, 1.0, 1, '{"len":2}', None), (1, 0.0, 0, "{}", "ValueError: x")]
     assert get_eval(engine, 3)["done"] == 2
+
+
+def test_molt_eval_with_k_and_no_temperature_samples_at_the_runs_own_and_says_so(tmp_path):
+    """`molt eval --k 4` with the temperature left out (issue 64, item 10) is queued at the run's loop.temperature,
+    as it was before k > 1 at temperature 0 was refused; only an explicit 0 is refused (422, exit 2)."""
+    from app_support import web_thread
+    records = Records(tmp_path)
+    run = records.create_run({"env": "max_digit", "loop": {"steps": 1, "temperature": 0.7}}, name="warm")
+    (run_dir(tmp_path, run["id"]) / "best").mkdir(parents=True)
+    (run_dir(tmp_path, run["id"]) / "best" / "config.json").write_text("{}")  # a policy's files, never loaded here
+    with records.engine.begin() as conn:
+        set_run(conn, run["id"], status="completed", summary={"best_step": 1})
+    with web_thread(tmp_path, "eval-token") as (base, _app):
+        studio = type("Studio", (), {"base": base, "token": "eval-token", "home": tmp_path})
+        queued = molt_eval(studio, "--run", str(run["id"]), "--k", "4", "--episodes", "8")
+        assert queued.returncode == 0, queued.stderr
+        assert "--k 4 without --temperature: sampling at the run's temperature 0.7" in queued.stderr
+        assert json.loads(queued.stdout)["config"]["temperature"] == 0.7
+        greedy = molt_eval(studio, "--run", str(run["id"]), "--episodes", "8")  # k 1: greedy, as before
+        assert greedy.returncode == 0 and json.loads(greedy.stdout)["config"]["temperature"] == 0.0
+        refused = molt_eval(studio, "--run", str(run["id"]), "--k", "4", "--episodes", "8", "--temperature", "0")
+        assert refused.returncode == 2 and "k (4) needs a temperature above 0" in refused.stderr
