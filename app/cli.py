@@ -239,7 +239,7 @@ def cmd_train(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from molt_engine import RunConfig, config_errors, train
-    from molt_engine.config import ValidationError
+    from molt_engine.config import ValidationError, untrained_lora
 
     hf_logging.disable_progress_bar()
     use_envs(args.envs, "molt train")
@@ -287,6 +287,9 @@ def cmd_train(args) -> int:
         cfg = RunConfig.model_validate(config)
     except ValidationError as e:
         print("invalid config:\n  " + "\n  ".join(config_errors(e)), file=sys.stderr)
+        return 2
+    if problem := untrained_lora(cfg):
+        print(f"invalid config:\n  {problem}", file=sys.stderr)
         return 2
     if cfg.dist.nnodes > 1 and nodes is None and "LOCAL_RANK" not in os.environ:  # not one of our ranks
         print(f"molt train: dist.nnodes is {cfg.dist.nnodes}: run each node with --nnodes, --node-rank and "

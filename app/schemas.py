@@ -5,6 +5,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 
 from daemon.models import STATUSES
 from daemon.records import RunRequest
+from molt_engine.config import untrained_lora
 
 # A metric value: a number, or one of the strings JSON needs for NaN and the infinities (see series.py).
 Number = Annotated[float, WithJsonSchema({"anyOf": [{"type": "number"},
@@ -233,10 +234,6 @@ class RunBody(RunRequest):
     @field_validator("config")
     @classmethod
     def lora_on_a_trained_base(cls, config):
-        """A run queued here must be able to learn: LoRA freezes the base, and every preset is randomly initialised
-        (the engine's API still trains such a run, as the tests of LoRA's mechanics do)."""
-        if config.model.lora and not config.model.path:
-            raise ValueError(f"model.lora: LoRA trains adapters on a frozen base model, and preset "
-                             f"{config.model.preset!r} is randomly initialised (untrained), so the run could not "
-                             f"learn; give model.path a trained model, or leave out model.lora to train every weight")
+        if problem := untrained_lora(config):  # the engine's rule, on every path that queues or starts a run
+            raise ValueError(problem)
         return config

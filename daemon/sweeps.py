@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from molt_engine.config import RunConfig, config_errors
+from molt_engine.config import RunConfig, config_errors, untrained_lora
 
 MAX_POINTS = 1000   # a grid larger than this is almost surely a mistake (and every point is validated up front)
 
@@ -106,14 +106,18 @@ def _copy(value):
 
 def run_config(config: dict, params: dict[str, Any], loc: tuple = ("params",)) -> dict:
     """The validated run config of one point, every default filled in; SweepInvalid names the key and value."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
     try:
-        return RunConfig.model_validate(with_params(config, params)).model_dump(mode="json")
+        checked = RunConfig.model_validate(with_params(config, params))
     except ValidationError as e:
-        shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
         lines = config_errors(e)  # the key named in a message, else the only key of the point
         key = next((k for k in params if any(k in line for line in lines)), None if len(params) != 1 else [*params][0])
         raise SweepInvalid(loc + ((key,) if key else ()),
                            f"{shown or 'the base config'}: {'; '.join(lines)}") from None
+    if problem := untrained_lora(checked):
+        key = next((k for k in params if k.startswith("model.")), None)
+        raise SweepInvalid(loc + ((key,) if key else ()), f"{shown or 'the base config'}: {problem}")
+    return checked.model_dump(mode="json")
 
 
 def check(request: SweepRequest) -> list[dict]:

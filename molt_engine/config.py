@@ -336,6 +336,17 @@ def _has_chat_template(model: ModelConfig) -> bool:
         return False
 
 
+def untrained_lora(cfg: RunConfig) -> str | None:
+    """Why a run a user queues or starts could not learn: LoRA freezes the base, and every preset is randomly
+    initialised. The one rule of POST /api/v1/runs, the launch form, sweeps and `molt train`; the engine's train()
+    still trains such a run (the tests of LoRA's mechanics do)."""
+    if cfg.model.lora and not cfg.model.path:
+        return (f"model.lora: LoRA trains adapters on a frozen base model, and preset {cfg.model.preset!r} is randomly "
+                f"initialised (untrained), so the run could not learn; give model.path a trained model, or leave out "
+                f"model.lora to train every weight")
+    return None
+
+
 def config_errors(e: ValidationError) -> list[str]:
     """One readable line per problem, each naming the field (`loop.steps: ...`)."""
     return [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"

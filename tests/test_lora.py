@@ -273,3 +273,26 @@ def test_micro_batches_accumulate_the_same_lora_update(tmp_path):
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     base = load_policy(ModelConfig(preset="tiny-dense"), seed=0)[0].state_dict()  # and the adapters moved at all
     assert max(float((a[k] - base[k]).abs().max()) for k in a if k in base) > 1e-4
+
+
+def test_lora_on_a_preset_is_refused_on_every_path_that_queues_or_starts_a_run(web, tmp_path):
+    """One rule (molt_engine.config.untrained_lora), every path (issue 64, item 10): a sweep's base config or one of
+    its points, the sweep form, and `molt train` refuse it as POST /api/v1/runs does."""
+    from app_support import ROOT, child_env
+    base = {"env": "max_digit", "loop": {"steps": 2}}
+    for body in [{"name": "lora-base", "config": {**base, "model": {"lora": {"r": 8}}},
+                  "params": {"algo.lr": {"values": [1e-3]}}},
+                 {"name": "lora-point", "config": base, "params": {"model.lora": {"values": [None, {"r": 8}]}}}]:
+        response = web["client"].post("/api/v1/sweeps", json=body)
+        assert response.status_code == 422 and "randomly initialised (untrained)" in response.text, response.text
+    browser, csrf = logged_in(web)
+    page = browser.post("/sweeps/new", data={"name": "lora-form", "csrf_token": csrf, "config": json.dumps(base),
+                                             "params": json.dumps({"model.lora.r": {"values": [8]}})})
+    assert page.status_code == 422 and "randomly initialised (untrained)" in page.text
+    assert [s["name"] for s in web["client"].get("/api/v1/sweeps").json() if s["name"].startswith("lora")] == []
+    (tmp_path / "run.json").write_text(json.dumps({**base, "model": {"lora": {"r": 8}}}))
+    train_cli = subprocess.run([sys.executable, "-m", "app.cli", "train", "--config", str(tmp_path / "run.json"),
+                                "--out", str(tmp_path / "out")], cwd=ROOT, env=child_env(tmp_path),
+                               capture_output=True, text=True, timeout=300)
+    assert train_cli.returncode == 2 and "randomly initialised (untrained)" in train_cli.stderr, train_cli.stderr
+    assert not (tmp_path / "out" / "config.json").exists()
