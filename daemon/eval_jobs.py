@@ -15,6 +15,7 @@ from sqlmodel import Session
 from .db import FIRST_BEAT_S, eval_dir, lock_holder
 from .eval_records import ENDED, LIVE
 from .models import Evaluation, now
+from .slots import EVAL_ORDER, EVAL_WAITS
 
 
 @dataclass
@@ -71,8 +72,7 @@ class EvalWorkers:
                     s.execute(update(Evaluation).where(Evaluation.id == e.id).values(status=status, pid=None))
             s.commit()
             free = self.sup.free_slots(s)
-            waiting = s.scalars(select(Evaluation).where(Evaluation.status.in_(("restarting", "queued")))
-                                .order_by(Evaluation.status != "restarting", Evaluation.id).limit(max(free, 0))).all()
+            waiting = s.scalars(select(Evaluation).where(EVAL_WAITS).order_by(*EVAL_ORDER).limit(max(free, 0))).all()
             for e in waiting:
                 needed = 1 if self.sup.gpus else 0
                 gpus = self.sup.free_gpus()[:needed]

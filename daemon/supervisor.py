@@ -19,6 +19,7 @@ from .db import FIRST_BEAT_S, add_daemon_event, add_event, connect, data_home, h
 from .models import ACTIVE, OUTCOMES, Attempt, Run, now
 from .restarts import decide
 from .sink import replay_spools
+from .slots import RUN_HOLDS_A_SLOT, RUN_WAITS
 from .sweep_tick import tick_sweeps
 from .worker import DUPLICATE
 
@@ -273,8 +274,7 @@ class Supervisor:
                     self.start(s, run)
             free = self.free_slots(s)
             if free > 0:  # an external run is never started here (it resumes on its own machine)
-                for run in s.scalars(select(Run).where(Run.status == "queued", Run.host.is_(None)).order_by(Run.id)
-                                     .limit(free)).all():
+                for run in s.scalars(select(Run).where(RUN_WAITS).order_by(Run.id).limit(free)).all():
                     if self.refused(s, run, "queued"):
                         continue
                     if self.gpus_needed(run) > len(self.free_gpus()):
@@ -285,7 +285,7 @@ class Supervisor:
         """The slot rule, for runs and evaluations alike: `concurrency` workers at once, a slot per active run of this
         daemon and per evaluation worker. External runs hold none: they train elsewhere (one whose process died
         must not block this daemon's work)."""
-        local = s.scalar(select(func.count()).where(Run.status.in_(ACTIVE), Run.host.is_(None)))
+        local = s.scalar(select(func.count()).where(RUN_HOLDS_A_SLOT))
         return self.concurrency - local - len(self.evals.workers)
 
     def refused(self, s: Session, run: Run, status: str) -> bool:
