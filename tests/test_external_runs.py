@@ -131,6 +131,10 @@ def test_an_unreachable_external_run_holds_no_slot_so_an_evaluation_starts(web):
                                                          "episodes": 2})
     assert response.status_code == 201, response.text
     eval_id = response.json()["id"]
+    from app.queue import queue_notes  # the dashboard's note reads the daemon's rule (daemon/slots.py): no slot held
+    assert queue_notes(web["records"].engine, 1)[("evaluation", eval_id)].startswith("1st in line; no slot taken")
+    with Session(web["records"].engine) as s:
+        assert sup.free_slots(s) == 1
     sup.evals.tick()
     pid = web["client"].get(f"/api/v1/evals/{eval_id}").json()["pid"]
     try:
