@@ -264,6 +264,33 @@ def test_run_evaluation_and_alert_ids_are_never_reused_after_a_delete(tmp_path):
     assert records.create_run(FAST)["id"] == first + 1
 
 
+def test_ids_deleted_before_autoincrement_are_never_given_again(tmp_path):
+    """Before 0009 a deleted run's or evaluation's id could be given again (SQLite's max(rowid) + 1), and 0009 began
+    the sequences at the highest row kept: an id still named anywhere (an evaluation's directory an earlier delete
+    left, a row of it, a run's directory its worker wrote after the delete) is never given again (issue 64)."""
+    home = tmp_path / "old"
+    home.mkdir()
+    engine = sqlite_engine(f"sqlite:///{home / 'molt.db'}")
+    upgrade(engine, home, "0008_external_runs")
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO run (id, name, status, config, tags, step, total_steps, version, restarts, "
+                          "retries, max_restarts, created_at, notes, archived) VALUES (2, 'kept', 'completed', '{}', "
+                          "'[]', 0, 1, 0, 0, 0, 0, 0, '', 0)"))
+        conn.execute(text("INSERT INTO evaluation (id, run_id, config, status, results, restarts, max_restarts, "
+                          "created_at) VALUES (1, 2, '{}', 'completed', '{}', 0, 3, 0)"))
+    (home / "runs" / "5").mkdir(parents=True)     # run 5 deleted, its worker's last log line written after
+    (home / "evals" / "4").mkdir(parents=True)    # evaluation 4 deleted with its run: the old delete left this
+    upgrade(engine, home)
+    from daemon.records import Records
+    records = Records(home)
+    assert records.create_run(FAST)["id"] == 6
+    with Session(records.engine) as s:
+        evaluation = Evaluation(config={})
+        s.add(evaluation)
+        s.commit()
+        assert evaluation.id == 5
+
+
 @pytest.mark.slow
 def test_the_token_is_on_no_ranks_command_line(web, tmp_path):
     """`molt train --nproc 2 --report-to` with the report token in $MOLT_TOKEN: torchrun's ranks get it through the
