@@ -307,8 +307,8 @@ def test_stopping_a_running_eval_ends_its_worker_with_its_records_consistent(pol
     assert 8 <= final["done"] < 256 and final["metrics"] is None and final["restarts"] == 0
     assert not alive(running["pid"])
     with Session(records.engine) as s:
-        from daemon.models import Evaluation
-        done = sorted(map(int, s.get(Evaluation, eval_id).results))
+        from daemon.models import EvalResult
+        done = sorted(s.scalars(select(EvalResult.position).where(EvalResult.eval_id == eval_id)))
     assert recorded(records, eval_id) == done, "every finished episode has its sample, and no other"
     assert not stop_eval(records.engine, eval_id)
 
@@ -355,8 +355,8 @@ def test_a_model_sections_evaluation_records_its_episodes_and_the_samples_view_o
         daemon.wait(30)
     assert [f["status"] for f in finals] == ["completed", "completed"], finals
     with Session(records.engine) as s:
-        from daemon.models import Evaluation
-        passes = sum(r[1] for r in s.get(Evaluation, model_eval).results.values())
+        from daemon.models import EvalResult
+        passes = sum(s.scalars(select(EvalResult.success).where(EvalResult.eval_id == model_eval)))
     with web_thread(records.home, "t0ken") as (base, _), \
             httpx.Client(base_url=base, headers={"Authorization": "Bearer t0ken"}) as client:
         api = f"/api/v1/evals/{model_eval}"
