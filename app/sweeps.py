@@ -31,6 +31,7 @@ class SweepOut(Out):
     runs_total: int
     runs_done: int
     best: dict[str, Any] | None = None  # the best point so far: params, score
+    warning: str | None = None  # e.g. no run has recorded its metric (a typo?): no scores
     last_error: str | None
     created_at: float
     finished_at: float | None

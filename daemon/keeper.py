@@ -158,14 +158,17 @@ def stop_daemon(records: Records, grace: float, say=print) -> bool:
         ids = [r["id"] for r in records.list_runs(status=["running", "restarting"]) if not r["host"]]  # ours only
         if ids:
             say(f"stopping run(s) {', '.join(map(str, ids))}: checkpointing (Ctrl-C again to leave them running)")
+            # Written first, whole (a rename): the daemon's sweep tick reads it to tell a run stopped by this
+            # shutdown (its sweep is not done) from one stopped for its own reasons
+            path = records.home / INTERRUPTED
+            earlier = json.loads(path.read_text() or "[]") if path.exists() else []
+            path.with_suffix(".tmp").write_text(json.dumps(sorted(set(earlier) | set(ids))))
+            path.with_suffix(".tmp").replace(path)
             for run_id in ids:
                 try:
                     records.stop_run(run_id)
                 except ValueError:  # it ended meanwhile
                     pass
-            path = records.home / INTERRUPTED
-            earlier = json.loads(path.read_text() or "[]") if path.exists() else []
-            path.write_text(json.dumps(sorted(set(earlier) | set(ids))))
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and records.daemon_status()["pid"] == pid:
                 if all(records.get_run(i)["status"] not in ACTIVE for i in ids):

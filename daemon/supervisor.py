@@ -118,7 +118,9 @@ class Supervisor:
         self.start_due()
         self.evals.tick()
         self.watch_external()
-        tick_sweeps(self.engine, self.free_slots)  # last: a sweep's new runs start next poll
+        path = self.home / INTERRUPTED  # runs stopped by a `molt daemon stop` under way: their sweeps are not done
+        shutdown = set(json.loads(path.read_text() or "[]")) if path.exists() else set()
+        tick_sweeps(self.engine, self.free_slots, shutdown)  # last: a sweep's new runs start next poll
 
     def watch_external(self):
         """External runs (`molt train --report-to`) are never started, restarted or failed here: one whose heartbeats

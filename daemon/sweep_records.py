@@ -2,12 +2,16 @@
 delete; and what the supervisor's sweep tick shares (a point's runs, the runs' scores)."""
 from collections import defaultdict
 
+from pydantic import ValidationError
 from sqlalchemy import select, update
 from sqlmodel import Session
 
 from .db import add_event, row_dict
 from .models import TERMINAL, Event, Metric, Run, Sweep, now
 from .sweeps import SweepRequest, check, point_score, ranked, run_config, score, seeds_of
+
+
+RUNS_PER_TICK = 200   # runs the sweeps create per daemon poll, all together: a few hundred milliseconds at most
 
 
 class SweepNotFound(KeyError):
@@ -97,25 +101,30 @@ def _get(s: Session, sweep_id: int) -> Sweep:
     return sweep
 
 
-def ensure_runs(s: Session, sweep: Sweep, request: SweepRequest) -> int:
-    """Create the runs its points lack, one per seed, as ordinary queued runs tagged with the sweep's name. Each has
-    the idempotency key sweep:ID:POINT:SEED, so a point's run is never created twice (a daemon killed between two
-    points creates the rest after its restart). Returns how many it created (the caller commits)."""
+def ensure_runs(s: Session, sweep: Sweep, request: SweepRequest, limit: int = RUNS_PER_TICK) -> int:
+    """Create the runs its points lack, one per seed, as ordinary queued runs tagged with the sweep's name: at most
+    `limit` a call, so that a large grid's runs take several polls and no poll comes near the daemon's hang limit.
+    Each has the idempotency key sweep:ID:POINT:SEED, so a point's run is never created twice (a daemon killed
+    between two points creates the rest after its restart). Returns how many it created (the caller commits)."""
+    if limit <= 0:
+        return 0
     have = set(s.scalars(select(Run.idempotency_key).where(Run.sweep_id == sweep.id)))
     created = 0
     for index, params in enumerate(sweep.points):
-        for seed in seeds_of(request):
-            key = f"sweep:{sweep.id}:{index}:{seed}"
-            if key in have:
-                continue
-            # still running? (a stop committed meanwhile wins: this write waits for it, SQLite serializes them)
-            if not created and not s.execute(update(Sweep).where(Sweep.id == sweep.id, Sweep.status == "running")
-                                             .values(status="running")).rowcount:
-                return 0
-            config = run_config(request.config, {**params, "seed": seed})
-            run = Run(name=f"{sweep.name}-p{index}-s{seed}", tags=[sweep.name], config=config,
+        missing = [seed for seed in dict.fromkeys(seeds_of(request)) if f"sweep:{sweep.id}:{index}:{seed}" not in have]
+        if not missing:
+            continue
+        # still running? (a stop committed meanwhile wins: this write waits for it, SQLite serializes them)
+        if not created and not s.execute(update(Sweep).where(Sweep.id == sweep.id, Sweep.status == "running")
+                                         .values(status="running")).rowcount:
+            return 0
+        config = run_config(request.config, params)  # once per point: each seed alone was checked at submit
+        for seed in missing:
+            if created >= limit:
+                return created
+            run = Run(name=f"{sweep.name}-p{index}-s{seed}", tags=[sweep.name], config={**config, "seed": seed},
                       total_steps=config["loop"]["steps"], max_restarts=request.max_restarts,
-                      sweep_id=sweep.id, sweep_point=index, idempotency_key=key)
+                      sweep_id=sweep.id, sweep_point=index, idempotency_key=f"sweep:{sweep.id}:{index}:{seed}")
             s.add(run)
             s.flush()
             add_event(s, run.id, "queued", f"run queued by sweep {sweep.name} (point {index}, seed {seed})",
@@ -136,7 +145,10 @@ def run_values(s: Session, run_ids: list[int], metric: str, up_to: int | None = 
 
 
 def _summary(s: Session, sweep: dict, details: bool = False) -> dict:
-    request = SweepRequest.model_validate(sweep["request"])
+    try:
+        request = SweepRequest.model_validate(sweep["request"])
+    except ValidationError:  # stored by an older version that allowed it: still shown (its tick fails it, saying why)
+        request = SweepRequest.model_construct(**sweep["request"])
     runs = [dict(r) for r in s.execute(select(Run.id, Run.name, Run.status, Run.step, Run.total_steps,
                                               Run.sweep_point, Run.config).where(Run.sweep_id == sweep["id"])
                                        .order_by(Run.id)).mappings()]
@@ -152,8 +164,11 @@ def _summary(s: Session, sweep: dict, details: bool = False) -> dict:
     best = points[0] if points and points[0]["score"] is not None else None
     out = {**{k: v for k, v in sweep.items() if k not in ("judged", "points")}, "method": request.method,
            "metric": request.metric, "goal": request.goal, "runs_total": len(runs),
-           "runs_done": sum(r["status"] in TERMINAL for r in runs),
+           "runs_done": sum(r["status"] in TERMINAL for r in runs), "warning": None,
            "best": best and {"point": best["point"], "params": best["params"], "score": best["score"]}}
+    if runs and not values:  # the tick's warning (daemon/sweep_tick.py check_metric) holds while none has one
+        out["warning"] = s.scalar(select(Event.message).where(Event.run_id.in_([r["id"] for r in runs]),
+                                                              Event.kind == "sweep_metric_missing").limit(1))
     if details:
         order = {p["point"]: rank for rank, p in enumerate(points)}
         for r in runs:

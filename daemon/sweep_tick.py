@@ -4,42 +4,50 @@ All state is in the database, so a daemon killed at any moment continues the swe
 import logging
 
 from sqlalchemy import select, update
+from sqlalchemy.exc import OperationalError
 from sqlmodel import Session
 
 from .db import add_event, set_run
-from .models import TERMINAL, Run, Sweep, now
-from .sweep_records import ensure_runs, run_values
-from .sweeps import SweepInvalid, SweepRequest, behind_median, point_score, score, suggest
+from .models import TERMINAL, Event, Metric, Run, Sweep, now
+from .sweep_records import RUNS_PER_TICK, ensure_runs, run_values
+from .sweeps import SweepRequest, behind_median, point_score, score, seeds_of, suggest
 
 log = logging.getLogger("molt.daemon")
 
 
-def tick_sweeps(engine, free_slots):
-    """One pass over the running sweeps; `free_slots(session)` is the supervisor's slot rule."""
+def tick_sweeps(engine, free_slots, shutdown: set[int] = frozenset()):
+    """One pass over the running sweeps; `free_slots(session)` is the supervisor's slot rule, `shutdown` the runs a
+    `molt daemon stop` under way stops (ended by the daemon's shutdown, not for their own reasons: the next daemon
+    resumes them, so their sweeps are not done). Each sweep's error is its own: it fails, the others go on."""
     with Session(engine) as s:
         sweep_ids = s.scalars(select(Sweep.id).where(Sweep.status == "running").order_by(Sweep.id)).all()
+    budget = RUNS_PER_TICK  # runs created this poll, all sweeps together
     for sweep_id in sweep_ids:
         with Session(engine) as s:
-            sweep = s.get(Sweep, sweep_id)
-            request = SweepRequest.model_validate(sweep.request)
             try:
+                sweep = s.get(Sweep, sweep_id)
+                request = SweepRequest.model_validate(sweep.request)  # it may no longer validate after an upgrade
                 if request.method == "tpe":
-                    next_point(s, sweep, request, free_slots(s))
-                if ensure_runs(s, sweep, request):
+                    next_point(s, sweep, request, free_slots(s), shutdown)
+                if created := ensure_runs(s, sweep, request, budget):
                     s.commit()
-            except SweepInvalid as e:  # e.g. its env's file was removed, or Optuna since the sweep was queued
+                    budget -= created
+                if request.early_stop:
+                    early_stop(s, sweep, request)
+                check_metric(s, sweep, request)
+                finish(s, sweep, request, shutdown)
+            except OperationalError:  # the database busy or locked: the next poll tries again
+                raise
+            except Exception as e:  # e.g. its env's file removed, Optuna refusing the space, a key already taken
                 s.rollback()
-                s.execute(update(Sweep).where(Sweep.id == sweep_id).values(status="failed", last_error=str(e),
+                error = f"{type(e).__name__}: {e}"
+                s.execute(update(Sweep).where(Sweep.id == sweep_id).values(status="failed", last_error=error,
                                                                            finished_at=now()))
                 s.commit()
-                log.warning("sweep %d failed: %s", sweep_id, e)
-                continue
-            if request.early_stop:
-                early_stop(s, sweep, request)
-            finish(s, sweep, request)
+                log.warning("sweep %d failed: %s", sweep_id, error)
 
 
-def next_point(s: Session, sweep: Sweep, request: SweepRequest, free: int):
+def next_point(s: Session, sweep: Sweep, request: SweepRequest, free: int, shutdown: set[int]):
     """TPE: one more point once none of the sweep's runs waits in the queue and a slot is free, so each point is
     chosen knowing the scores of those that ended before it. Appended and its runs created in one transaction."""
     if len(sweep.points) >= request.runs or free <= 0:
@@ -51,7 +59,7 @@ def next_point(s: Session, sweep: Sweep, request: SweepRequest, free: int):
     done = []
     for index, params in enumerate(sweep.points):
         mine = [r for r in runs if r.sweep_point == index]
-        ended = mine and all(r.status in TERMINAL for r in mine)
+        ended = mine and all(_ended(r, shutdown) for r in mine)
         scores = [score(values.get(r.id, []), request.score, request.goal, request.last_n) for r in mine]
         done.append((params, point_score(scores) if ended else None))
     point = suggest(request, done)
@@ -59,6 +67,11 @@ def next_point(s: Session, sweep: Sweep, request: SweepRequest, free: int):
     if s.execute(update(Sweep).where(Sweep.id == sweep.id, Sweep.status == "running")
                  .values(points=sweep.points + [point])).rowcount:
         s.refresh(sweep)
+
+
+def _ended(run, shutdown: set[int]) -> bool:
+    """Ended for its own reasons: completed, failed, stopped by the user or the median rule; not by a shutdown."""
+    return run.status in TERMINAL and not (run.status == "stopped" and run.id in shutdown)
 
 
 def early_stop(s: Session, sweep: Sweep, request: SweepRequest):
@@ -91,11 +104,33 @@ def early_stop(s: Session, sweep: Sweep, request: SweepRequest):
         s.commit()
 
 
-def finish(s: Session, sweep: Sweep, request: SweepRequest):
-    """Completed once every point it will have exists and all their runs have ended."""
+def check_metric(s: Session, sweep: Sweep, request: SweepRequest):
+    """A `metric` no run records (a typo, or evals off) gives no scores: TPE degenerates, early stopping never
+    fires. Once a run completed or passed the first milestone with none recorded, say so, once, in that run's events
+    (the sweep page shows it while it holds)."""
+    runs = s.execute(select(Run.id, Run.step, Run.status).where(Run.sweep_id == sweep.id)).all()
+    first = min(request.early_stop.at_steps) if request.early_stop else None
+    witness = next((r.id for r in runs if r.status == "completed" or (first is not None and r.step > first)), None)
+    ids = [r.id for r in runs]
+    if witness is None or s.scalar(select(Metric.id).where(Metric.run_id.in_(ids), Metric.name == request.metric)
+                                   .limit(1)) is not None:
+        return
+    if s.scalar(select(Event.id).where(Event.run_id.in_(ids), Event.kind == "sweep_metric_missing").limit(1)):
+        return
+    recorded = s.scalars(select(Metric.name).where(Metric.run_id.in_(ids)).distinct().limit(12)).all()
+    add_event(s, witness, "sweep_metric_missing", f"sweep {sweep.name}: no run has recorded its metric "
+              f"{request.metric!r}, so none has a score; recorded: {', '.join(sorted(recorded)) or 'nothing'}",
+              sweep=sweep.id, metric=request.metric)
+    s.commit()
+    log.warning("sweep %d: no run has recorded its metric %r", sweep.id, request.metric)
+
+
+def finish(s: Session, sweep: Sweep, request: SweepRequest, shutdown: set[int]):
+    """Completed once every point it will have exists and all their runs have ended for their own reasons."""
     target = request.runs if request.method == "tpe" else len(sweep.points)
-    statuses = s.scalars(select(Run.status).where(Run.sweep_id == sweep.id)).all()
-    if len(sweep.points) >= target and statuses and all(status in TERMINAL for status in statuses):
+    runs = s.execute(select(Run.id, Run.status).where(Run.sweep_id == sweep.id)).all()
+    expected = len(sweep.points) * len(set(seeds_of(request)))  # a large grid's runs are created over several polls
+    if len(sweep.points) >= target and len(runs) >= expected and all(_ended(r, shutdown) for r in runs):
         s.execute(update(Sweep).where(Sweep.id == sweep.id, Sweep.status == "running")
                   .values(status="completed", finished_at=now()))
         s.commit()

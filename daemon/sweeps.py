@@ -15,7 +15,7 @@ MAX_POINTS = 1000   # a grid larger than this is almost surely a mistake (and ev
 
 class Param(BaseModel):
     """One key's range: `values` (a list to choose from; the only form a grid takes), or `min` and `max` (uniform;
-    `log` for a log-uniform draw, `int` for whole numbers)."""
+    `log` for a log-uniform draw, `int` for whole numbers: the ends rounded, by every method and the check alike)."""
     model_config = ConfigDict(extra="forbid", strict=True)  # strict: `false` is not 0
     values: list[Any] | None = None
     min: float | None = None
@@ -33,6 +33,8 @@ class Param(BaseModel):
             raise ValueError(f"empty range: min ({self.min}) must be below max ({self.max})")
         if self.log and self.values is None and self.min <= 0:
             raise ValueError("a log range needs min > 0")
+        if self.log and self.int and self.values is None and _number(self, self.min) < 1:
+            raise ValueError(f"a log int range needs min >= 1 (min {self.min} rounds to {_number(self, self.min)})")
         return self
 
 
@@ -64,6 +66,8 @@ class SweepRequest(BaseModel):
     seeds: int | list[Annotated[int, Field(ge=0)]] = Field(1, description="seeds per point: a count (the base "
                                                                           "seed, +1, ...) or a list")
     seed: int = Field(0, ge=0, description="the sampler's seed (random, tpe)")
+    startup_points: int = Field(10, ge=1, description="tpe: its first N points are drawn at random, as a start "
+                                                      "(Optuna's n_startup_trials)")
     early_stop: EarlyStop | None = None
     max_restarts: int = Field(3, ge=0, le=100)
 
@@ -75,6 +79,8 @@ class SweepRequest(BaseModel):
             raise ValueError(f"method {self.method} needs runs (how many points)")
         if isinstance(self.seeds, int) and not 1 <= self.seeds <= 100:
             raise ValueError("seeds must be between 1 and 100")
+        if "seed" in self.params:  # each run's seed comes from `seeds`: it would overwrite this key's values
+            raise ValueError("params: seed is set by seeds (a count, or a list such as [0, 7]), not by params")
         return self
 
 
@@ -169,18 +175,22 @@ def suggest(request: SweepRequest, done: list[tuple[dict, float | None]]) -> dic
     except ImportError:
         raise SweepInvalid(("method",), "method tpe needs Optuna: pip install 'molt-studio[sweeps]'") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    dists = {key: (optuna.distributions.CategoricalDistribution(p.values) if p.values is not None
-                   else optuna.distributions.IntDistribution(int(p.min), int(p.max), log=p.log) if p.int
-                   else optuna.distributions.FloatDistribution(p.min, p.max, log=p.log))
-             for key, p in request.params.items()}
-    study = optuna.create_study(direction="maximize" if request.goal == "max" else "minimize",
-                                sampler=optuna.samplers.TPESampler(seed=request.seed + len(done)))
-    for params, value in done:
-        finished = value is not None and math.isfinite(value)
-        study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=dists, value=value if finished else None,
-            state=optuna.trial.TrialState.COMPLETE if finished else optuna.trial.TrialState.RUNNING))
-    return study.ask(dists).params
+    try:  # Optuna's own rules refuse what ours let through: a sweep's error, never the daemon's or a 500
+        dists = {key: (optuna.distributions.CategoricalDistribution(p.values) if p.values is not None
+                       else optuna.distributions.IntDistribution(_number(p, p.min), _number(p, p.max), log=p.log)
+                       if p.int else optuna.distributions.FloatDistribution(p.min, p.max, log=p.log))
+                 for key, p in request.params.items()}
+        study = optuna.create_study(direction="maximize" if request.goal == "max" else "minimize",
+                                    sampler=optuna.samplers.TPESampler(seed=request.seed + len(done),
+                                                                       n_startup_trials=request.startup_points))
+        for params, value in done:
+            finished = value is not None and math.isfinite(value)
+            study.add_trial(optuna.trial.create_trial(
+                params=params, distributions=dists, value=value if finished else None,
+                state=optuna.trial.TrialState.COMPLETE if finished else optuna.trial.TrialState.RUNNING))
+        return study.ask(dists).params
+    except ValueError as e:
+        raise SweepInvalid(("params",), f"Optuna refuses the space: {e}") from None
 
 
 def seeds_of(request: SweepRequest) -> list[int]:
