@@ -14,7 +14,7 @@ from app_support import hook, logged_in, new_run, sink_for, web  # noqa: F401 (h
 from conftest import wait_until
 from daemon import trackers
 from daemon.records import Records
-from daemon.trackers import tracker_name
+from daemon.trackers import is_eval, tracker_name
 from molt_engine import RunConfig, config_errors, train
 from molt_engine.config import ValidationError
 
@@ -79,11 +79,11 @@ def mirrored(tmp_path: Path, run_dir: Path, name: str) -> dict:
             kind = r.WhichOneof("record_type")
             if kind == "history":
                 items = {"/".join(i.nested_key) or i.key: i.value_json for i in r.history.item}
-                step = int(items["_step"])
-                for key, value in items.items():
+                for key, value in items.items():  # an eval's metrics and samples are at their step on eval/step
+                    step = int(items["eval/step" if is_eval(key) or key.startswith("samples/eval") else "_step"])
                     if key.startswith("samples/") and key.endswith("/_type"):
                         tables.append((key.removesuffix("/_type"), step))
-                    elif not key.startswith(("_", "samples/", "events")):
+                    elif not key.startswith(("_", "samples/", "events")) and key != "eval/step":
                         metrics.setdefault(key, []).append((step, float(json.loads(value))))
             elif kind == "alert":
                 alerts.append(r.alert.title)
