@@ -18,6 +18,7 @@ from pathlib import Path
 # keeps beating meanwhile, and this stays well under the daemon's hang timeout (60 s by default), or a tracker that
 # is down would get the worker killed as hung and the run restarted, again and again.
 FLUSH_S = 15.0
+UPLOAD_S = 600.0  # the same with report.log_model: the best and final weights take minutes to upload
 # MLflow's own HTTP retries take minutes per call by default (7 retries, backoff 2, 120 s timeout): a tracker that
 # does not answer would hold its feed that long per record. These apply where the variable is not set already.
 MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
@@ -107,10 +108,11 @@ class Mirror:
 
     def close(self, outcome: str):
         """Send the best and final checkpoints' paths (with report.log_model their weights), end each tracker's
-        run, and wait up to FLUSH_S for them, beating; what is still queued then is counted as dropped."""
+        run, and wait up to FLUSH_S (UPLOAD_S) for them, beating; what is still queued then is counted as dropped."""
         paths = {kind: str(self.out_dir / kind) for kind in ("best", "final") if (self.out_dir / kind).exists()}
         finish = ("finish", outcome, paths, self.report.log_model)
-        deadline, unsent = time.monotonic() + FLUSH_S, list(self.feeds)  # unsent: no room for `finish` yet
+        limit = UPLOAD_S if self.report.log_model and paths else FLUSH_S
+        deadline, unsent = time.monotonic() + limit, list(self.feeds)  # unsent: no room for `finish` yet
         while (alive := [f for f in self.feeds if f.thread.is_alive()]) and time.monotonic() < deadline:
             self.heartbeat()  # the loop's beats stopped with it: this wait, bounded, is no hang
             for feed in list(unsent):
@@ -122,7 +124,7 @@ class Mirror:
             alive[0].thread.join(min(1.0, max(0.0, deadline - time.monotonic())))
         for feed in self.feeds:
             if feed.thread.is_alive():
-                feed.lose(feed.queue.qsize(), f"still sending after {FLUSH_S:g} s at the end")
+                feed.lose(feed.queue.qsize(), f"still sending after {limit:g} s at the end")
             if feed.lost:
                 self.sink.event("tracker", f"{feed.name}: {feed.lost} records not mirrored in all",
                                 tracker=feed.name, dropped=feed.lost)
