@@ -40,7 +40,7 @@ COLUMNS = ("step", "kind", "group", "seed", "version", "reward", "advantage", "s
 
 def shown(text: str) -> str:
     """`text` with the credentials taken out of every URL in it (`http://user:pass@host` -> `http://host`): what a
-    tracker's URL or error message puts in events, logs, the run page's link and the config a tracker shows."""
+    tracker's URL or error message puts in events, the run page's link and the config a tracker shows."""
     return re.sub(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@\"']+@", r"\1", text)
 
 
