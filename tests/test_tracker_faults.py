@@ -63,8 +63,9 @@ def hanging_port():
 
 def test_mlflow_down_is_told_within_seconds_counted_and_its_url_credentials_never_shown(tmp_path, down_port,
                                                                                         monkeypatch):
-    for name in trackers.MLFLOW_HTTP:  # the mirror's bounds, not whatever this machine's environment says
-        monkeypatch.delenv(name, raising=False)
+    for name in trackers.MLFLOW_HTTP:  # the mirror's bounds, not this machine's; unset again after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     uri = f"http://alice:s3cret@127.0.0.1:{down_port}"
     cfg = RunConfig.model_validate({**TINY, "report": {"to": ["mlflow"], "mlflow": {"tracking_uri": uri}}})
     assert trackers.tracker_config(cfg)["report"]["mlflow"]["tracking_uri"] == f"http://127.0.0.1:{down_port}"
@@ -100,6 +101,7 @@ def test_the_end_waits_for_a_hung_tracker_flush_s_at_most_beating_and_counts_wha
     mirror = trackers.Mirror(sink, RunConfig.model_validate({**TINY, "report": {"to": ["mlflow"]}}), tmp_path, "hung")
     for step in range(5):
         mirror.metrics(step, {"reward_mean": 0.5})
+    wait_until(lambda: mirror.feeds[0].queue.qsize() == 4, 10, message="the first record in the tracker's hands")
     started = time.monotonic()
     mirror.close("completed")
     took = time.monotonic() - started
@@ -166,9 +168,9 @@ def test_a_daemon_run_mirrored_to_an_mlflow_that_is_down_or_hangs_completes_in_o
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in trackers.MLFLOW_HTTP}
     with open(home / "daemon.log", "ab") as log:
-        # a hang timeout of 30 s: the trackers' end (FLUSH_S) fits in it; 60 s of silence, as before, did not
+        # a hang timeout of 45 s: the trackers' end (FLUSH_S) fits in it; 60 s of silence, as before, did not
         daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2", "--backoff",
-                                   "0.2", "--heartbeat-timeout", "30", "--concurrency", "2"], cwd=ROOT, stdout=log,
+                                   "0.2", "--heartbeat-timeout", "45", "--concurrency", "2"], cwd=ROOT, stdout=log,
                                   stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": str(ROOT)})
         try:
             api = Records(home)
