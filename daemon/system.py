@@ -18,12 +18,33 @@ def gpu_handles() -> list[tuple[str, object]]:
     try:
         import pynvml
         pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        text = lambda v: v.decode() if isinstance(v, bytes) else v  # noqa: E731 (older nvidia-ml-py gives bytes)
+        devices = [(text(pynvml.nvmlDeviceGetUUID(h)), text(pynvml.nvmlDeviceGetPciInfo(h).busId)) for h in handles]
     except Exception:  # no nvidia-ml-py, or no NVIDIA driver on this machine: no GPU metrics
         return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    indices = ([int(i) for i in visible.split(",") if i.strip().isdigit()] if visible
-               else list(range(pynvml.nvmlDeviceGetCount())))
-    return [(f"gpu{i}", pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+    return [(label, handles[i]) for label, i in cuda_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), devices)]
+
+
+def cuda_devices(visible: str | None, devices: list[tuple[str, str]]) -> list[tuple[str, int]]:
+    """(label, NVML index) of each GPU that CUDA_VISIBLE_DEVICES (`visible`; None: every GPU) names, in its order.
+    `devices`: each NVML device's (UUID, PCI bus id), in NVML's order, which is not CUDA's. An entry is a GPU's UUID
+    (GPU-..., or a prefix that names one GPU) or an index in PCI bus order: CUDA's with CUDA_DEVICE_ORDER=PCI_BUS_ID,
+    and its default order on a machine of one GPU model. As in CUDA, the first entry that names no GPU (or one
+    named already) ends the list; a MIG instance names none here. The label is the index in PCI bus order, as
+    nvidia-smi numbers GPUs."""
+    by_bus = sorted(range(len(devices)), key=lambda i: devices[i][1].lower())
+    entries = [str(n) for n in range(len(devices))] if visible is None else [e.strip() for e in visible.split(",")]
+    found = []
+    for entry in entries:
+        if entry.isdigit():
+            matches = [by_bus[int(entry)]] if int(entry) < len(by_bus) else []
+        else:
+            matches = [i for i, (uuid, _) in enumerate(devices) if entry and uuid.startswith(entry)]
+        if len(matches) != 1 or matches[0] in found:
+            break
+        found.append(matches[0])
+    return [(f"gpu{by_bus.index(i)}", i) for i in found]
 
 
 def sample(handles, last: tuple[float, float]) -> tuple[dict[str, float], tuple[float, float]]:

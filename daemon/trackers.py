@@ -8,12 +8,21 @@ tracker run, and the last step mirrored per metric, so the steps a resume replay
 import json
 import os
 import queue
+import re
 import threading
 import time
 import uuid
 from pathlib import Path
 
-DRAIN_S = 60.0  # at the end, how long the trackers get to send what is queued (what is left is counted as dropped)
+# At the end, how long the trackers get to send what is queued; what is left then is counted as dropped. The worker
+# keeps beating meanwhile, and this stays well under the daemon's hang timeout (60 s by default), or a tracker that
+# is down would get the worker killed as hung and the run restarted, again and again.
+FLUSH_S = 15.0
+UPLOAD_S = 600.0  # the same with report.log_model: the best and final weights take minutes to upload
+# MLflow's own HTTP retries take minutes per call by default (7 retries, backoff 2, 120 s timeout): a tracker that
+# does not answer would hold its feed that long per record. These apply where the variable is not set already.
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
 MAX_ERROR_EVENTS = 10  # distinct reasons a tracker loses records told as events; the count at the end has them all
 # The trackers' section of each dashboard metric; in it the metric loses that word: reward_mean is reward/mean
 GROUPS = {"reward": ("reward_mean", "reward_std", "pass_rate"),
@@ -27,6 +36,17 @@ GROUPS = {"reward": ("reward_mean", "reward_std", "pass_rate"),
                     "rss_gb")}
 GROUP_OF = {name: group for group, names in GROUPS.items() for name in names}
 COLUMNS = ("step", "kind", "group", "seed", "version", "reward", "advantage", "success", "prompt", "text")
+
+
+def shown(text: str) -> str:
+    """`text` with the credentials taken out of every URL in it (`http://user:pass@host` -> `http://host`): what a
+    tracker's URL or error message puts in events, the run page's link and the config a tracker shows."""
+    return re.sub(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@\"']+@", r"\1", text)
+
+
+def is_eval(name: str) -> bool:
+    """A tracker metric an evaluation reports (`eval/reward`, a suite's `math/eval_reward`)."""
+    return name.startswith("eval/") or "/eval_" in name
 
 
 def tracker_name(name: str) -> str:
@@ -48,13 +68,17 @@ class Mirror:
     def __init__(self, sink, cfg, out_dir: Path, name: str):
         self.sink, self.out_dir = sink, Path(out_dir)
         self.report = cfg.report
-        self.feeds = [Feed(tracker, cfg, self.out_dir, name, self) for tracker in cfg.report.to]
         self.dropped = 0  # records lost by all trackers together
+        self.step, self.told = None, 0  # the latest step with metrics; the `dropped` that report/dropped last told
+        self.closed = False  # after close, a feed still sending counts its losses but tells no one
         self.lock = threading.Lock()  # the feeds count losses from their threads and from the loop's
+        self.feeds = [Feed(tracker, cfg, self.out_dir, name, self) for tracker in cfg.report.to]  # last: they count
 
     def metrics(self, step, values):
         if self.dropped:
             values = {**values, "report/dropped": float(self.dropped)}
+            self.told = self.dropped
+        self.step = step if self.step is None else max(self.step, step)
         self.sink.metrics(step, values)
         self._put("metrics", step, {tracker_name(k): v for k, v in values.items()})
 
@@ -84,21 +108,30 @@ class Mirror:
 
     def close(self, outcome: str):
         """Send the best and final checkpoints' paths (with report.log_model their weights), end each tracker's
-        run, and wait up to DRAIN_S for them; what is still queued then is counted as dropped."""
+        run, and wait up to FLUSH_S (UPLOAD_S) for them, beating; what is still queued then is counted as dropped."""
         paths = {kind: str(self.out_dir / kind) for kind in ("best", "final") if (self.out_dir / kind).exists()}
-        deadline = time.monotonic() + DRAIN_S
+        finish = ("finish", outcome, paths, self.report.log_model)
+        limit = UPLOAD_S if self.report.log_model and paths else FLUSH_S
+        deadline, unsent = time.monotonic() + limit, list(self.feeds)  # unsent: no room for `finish` yet
+        while (alive := [f for f in self.feeds if f.thread.is_alive()]) and time.monotonic() < deadline:
+            self.heartbeat()  # the loop's beats stopped with it: this wait, bounded, is no hang
+            for feed in list(unsent):
+                try:
+                    feed.queue.put_nowait(finish)
+                    unsent.remove(feed)
+                except queue.Full:
+                    pass
+            alive[0].thread.join(min(1.0, max(0.0, deadline - time.monotonic())))
         for feed in self.feeds:
-            try:  # waiting for room: the loop is over, but a hung tracker must not hold the end of the run
-                feed.queue.put(("finish", outcome, paths, self.report.log_model), timeout=DRAIN_S)
-            except queue.Full:
-                pass
-        for feed in self.feeds:
-            feed.thread.join(max(0.0, deadline - time.monotonic()))
             if feed.thread.is_alive():
-                feed.lose(feed.queue.qsize(), f"still sending after {DRAIN_S:g} s at the end")
+                feed.lose(feed.queue.qsize(), f"still sending after {limit:g} s at the end")
             if feed.lost:
                 self.sink.event("tracker", f"{feed.name}: {feed.lost} records not mirrored in all",
                                 tracker=feed.name, dropped=feed.lost)
+        with self.lock:
+            self.closed, dropped = True, self.dropped
+        if dropped != self.told and self.step is not None:  # losses since the last metrics: counted at the last step
+            self.sink.metrics(self.step, {"report/dropped": float(dropped)})
 
     def _put(self, *record):
         for feed in self.feeds:
@@ -122,10 +155,11 @@ class Feed:
         self.thread.start()
 
     def lose(self, n: int, why: str):
+        why = shown(why)  # an error message may quote the tracker's URL, credentials and all
         with self.mirror.lock:
             self.lost += n
             self.mirror.dropped += n
-            new = why not in self.errors and len(self.errors) < MAX_ERROR_EVENTS
+            new = why not in self.errors and len(self.errors) < MAX_ERROR_EVENTS and not self.mirror.closed
             self.errors.add(why)
         if new:
             self.mirror.sink.event("tracker", f"{self.name}: {why}; records it loses are counted in report/dropped",
@@ -137,7 +171,8 @@ class Feed:
         try:
             tracker = TRACKERS[self.name](cfg, out_dir, run_name, state)
             self._save(state)  # its id, before anything is sent: a crash from now on resumes this run
-            if url := state.get("url"):
+            if url := state.get("url"):  # the run page links it
+                url = shown(url)
                 self.mirror.sink.event("tracker", f"mirrored to {self.name}: {url}", tracker=self.name, url=url)
         except Exception as e:
             tracker, failed = None, f"could not start: {type(e).__name__}: {e}"
@@ -179,6 +214,11 @@ class Feed:
         os.replace(part, self.state_path)
 
 
+def tracker_config(cfg) -> dict:
+    """The run's config as the trackers show it: no credentials in its URLs (report.mlflow.tracking_uri's)."""
+    return json.loads(shown(json.dumps(cfg.model_dump(mode="json"))))
+
+
 def flat_config(config: dict, prefix="") -> dict:
     """{"loop": {"steps": 3}} -> {"loop.steps": 3}, as MLflow's params, TensorBoard's text and compare's config diff
     want it."""
@@ -192,7 +232,9 @@ def flat_config(config: dict, prefix="") -> dict:
 
 
 class Wandb:
-    """Alerts are W&B alerts (its Slack and e-mail notices); every alert and event also goes in an `events` table."""
+    """Alerts are W&B alerts (its Slack and e-mail notices); every alert and event also goes in an `events` table.
+    Train metrics are logged at their step. An eval finishes after later train steps were logged, and W&B drops a
+    step older than its latest: evals have their own axis, `eval/step` (define_metric), and join W&B's latest row."""
 
     def __init__(self, cfg, out_dir, run_name, state):
         import wandb
@@ -200,16 +242,32 @@ class Wandb:
         state.setdefault("id", uuid.uuid4().hex[:12])  # W&B ids: lowercase letters and digits
         self.run = wandb.init(project=c.project, entity=c.entity, name=c.name or run_name, tags=c.tags, mode=c.mode,
                               dir=c.dir or str(out_dir), id=state["id"], resume="allow",
-                              config=cfg.model_dump(mode="json"),
+                              config=tracker_config(cfg),
                               settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
         state["url"] = self.run.url  # None offline
         if self.run.resumed and c.mode == "online":  # W&B has the steps before run.step: a killed run's last
             for key, step in state["steps"].items():  # steps may be missing (wandb holds them a moment), sent again
                 state["steps"][key] = min(step, self.run.step - 1)
+        self.run.define_metric("eval/step", hidden=True)
+        for prefix in ["eval", *(s.name for s in cfg.eval.suites)]:  # a suite's metrics: NAME/eval_reward, ...
+            self.run.define_metric(f"{prefix}/*", step_metric="eval/step")
         self.events = []
+        self.eval_row = (-1, -1)  # the W&B row (its _step) that holds the latest eval, and that eval's step
 
     def metrics(self, step, values):
-        self.run.log(values, step=step)
+        if any(is_eval(k) for k in values):  # an eval's (with report/dropped, if any)
+            self.run.log({**values, "eval/step": step}, step=self._eval_row(step))
+        else:
+            self.run.log(values, step=step)
+
+    def _eval_row(self, step: int) -> int:
+        """W&B's latest row, or the next one if it holds another eval already (two evals can end within one train
+        step: the last periodic one and the final one): the next train step then joins that row."""
+        row, (held, held_step) = self.run.step, self.eval_row
+        if row == held and step != held_step:
+            row += 1
+        self.eval_row = (row, step)
+        return row
 
     def text(self, kind, title, message, step):
         if kind == "alert":
@@ -219,7 +277,11 @@ class Wandb:
                      commit=False)  # into the current step's row
 
     def samples(self, step, kind, rows):
-        self.run.log({f"samples/{kind}": self.wandb.Table(columns=list(COLUMNS), data=rows)}, step=step)
+        table = {f"samples/{kind}": self.wandb.Table(columns=list(COLUMNS), data=rows)}
+        if kind == "eval":  # beside its eval's metrics
+            self.run.log({**table, "eval/step": step}, step=self._eval_row(step))
+        else:
+            self.run.log(table, step=step)
 
     def finish(self, outcome, paths, log_model):
         for kind, path in paths.items():
@@ -235,6 +297,8 @@ class Mlflow:
     """The config as params (dotted names), alerts and events in the artifact events.txt, samples as tables."""
 
     def __init__(self, cfg, out_dir, run_name, state):
+        for name, value in MLFLOW_HTTP.items():  # read by MLflow at each request; only this worker's MLflow uses them
+            os.environ.setdefault(name, value)
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
         self.Metric, c = Metric, cfg.report.mlflow
@@ -253,7 +317,7 @@ class Mlflow:
             run = self.client.create_run(eid, run_name=c.run_name or run_name, tags=c.tags)
             self.id = state["id"] = run.info.run_id
             params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000])  # MLflow's longest value
-                      for k, v in flat_config(cfg.model_dump(mode="json")).items()]
+                      for k, v in flat_config(tracker_config(cfg)).items()]
             for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
                 self.client.log_batch(self.id, params=params[i:i + 100])
         uri = self.client.tracking_uri
@@ -290,7 +354,7 @@ class Tensorboard:
         from torch.utils.tensorboard import SummaryWriter
         self.writer = SummaryWriter(cfg.report.tensorboard.log_dir or str(Path(out_dir) / "tensorboard"))
         if not state.get("started"):
-            config = "\n".join(f"    {k}: {v}" for k, v in flat_config(cfg.model_dump(mode="json")).items())
+            config = "\n".join(f"    {k}: {v}" for k, v in flat_config(tracker_config(cfg)).items())
             self.writer.add_text("config", config, 0)
             state["started"] = True
 
@@ -329,7 +393,7 @@ class Trackio:
             state["steps"].update(held)
         state.setdefault("name", c.name or run_name)
         self.run = trackio.init(project=c.project, name=state["name"], group=c.group, space_id=c.space_id,
-                                config=cfg.model_dump(mode="json"), resume="allow", embed=False,
+                                config=tracker_config(cfg), resume="allow", embed=False,
                                 auto_log_cpu=False, auto_log_gpu=False)
         state["url"] = f"https://huggingface.co/spaces/{c.space_id}" if c.space_id else None
 

@@ -14,7 +14,7 @@ from app_support import hook, logged_in, new_run, sink_for, web  # noqa: F401 (h
 from conftest import wait_until
 from daemon import trackers
 from daemon.records import Records
-from daemon.trackers import tracker_name
+from daemon.trackers import is_eval, tracker_name
 from molt_engine import RunConfig, config_errors, train
 from molt_engine.config import ValidationError
 
@@ -79,11 +79,11 @@ def mirrored(tmp_path: Path, run_dir: Path, name: str) -> dict:
             kind = r.WhichOneof("record_type")
             if kind == "history":
                 items = {"/".join(i.nested_key) or i.key: i.value_json for i in r.history.item}
-                step = int(items["_step"])
-                for key, value in items.items():
+                for key, value in items.items():  # an eval's metrics and samples are at their step on eval/step
+                    step = int(items["eval/step" if is_eval(key) or key.startswith("samples/eval") else "_step"])
                     if key.startswith("samples/") and key.endswith("/_type"):
                         tables.append((key.removesuffix("/_type"), step))
-                    elif not key.startswith(("_", "samples/", "events")):
+                    elif not key.startswith(("_", "samples/", "events")) and key != "eval/step":
                         metrics.setdefault(key, []).append((step, float(json.loads(value))))
             elif kind == "alert":
                 alerts.append(r.alert.title)
@@ -268,6 +268,30 @@ def test_a_failing_or_stuck_tracker_never_fails_the_run_and_its_losses_are_count
     assert lost["mlflow"] > 0
     dropped = [values["report/dropped"] for _, values in sink.metrics_seen if "report/dropped" in values]
     assert dropped == sorted(dropped) and 0 < dropped[-1] <= lost["wandb"] + lost["mlflow"]
+
+
+def test_wandb_keeps_every_eval_on_its_own_step_axis_though_evals_end_after_later_train_steps(tmp_path):
+    cfg = RunConfig.model_validate({**RUN, "drills": {}, "eval": {"suites": [{"name": "math", "env": "max_digit"}]},
+                                    "report": {"to": ["wandb"], "wandb": {"mode": "offline"}}})
+    mirror = trackers.Mirror(Recorder(), cfg, tmp_path, "evals")
+    wait_until((tmp_path / "trackers" / "wandb.json").exists, 120, message="W&B started")  # as a run's steps take
+    for step in range(3):
+        mirror.metrics(step, {"reward_mean": step / 10})
+    mirror.metrics(0, {"eval_reward": 1.0, "math/eval_reward": 1.5})  # step 0's eval ends after train step 2
+    mirror.samples(0, "eval", [{"reward": 1.0, "text": "9"}])
+    mirror.metrics(3, {"reward_mean": 0.3})
+    mirror.metrics(3, {"eval_reward": 2.0})  # the last periodic eval ends after the last train step ...
+    mirror.metrics(4, {"eval_reward": 3.0})  # ... and so does the final one: one W&B row cannot hold both
+    mirror.close("completed")
+    wait_until(lambda: any(r.WhichOneof("record_type") == "exit" for r in wandb_records(tmp_path)), 60,
+               message="W&B's service writing the run's end")  # it writes its log a moment after finish()
+    found = mirrored(tmp_path, tmp_path, "evals")["wandb"]
+    assert found["metrics"] == {"reward/mean": [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)],
+                                "eval/reward": [(0, 1.0), (3, 2.0), (4, 3.0)], "math/eval_reward": [(0, 1.5)]}
+    assert found["tables"] == [("samples/eval", 0)]
+    axes = {r.metric.glob_name or r.metric.name: r.metric.step_metric for r in wandb_records(tmp_path)
+            if r.WhichOneof("record_type") == "metric"}
+    assert axes == {"eval/step": "", "eval/*": "eval/step", "math/*": "eval/step"}
 
 
 def test_a_missing_tracker_package_is_a_config_error_naming_the_extra(monkeypatch):
