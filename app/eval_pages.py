@@ -40,7 +40,7 @@ def evals_page(request: Request, run_id: Annotated[int | None, Query(ge=1)] = No
     rows, names, base = table(request, run_id, baseline)
     return render(request, "evals.html", rows=rows, names=names, base=base, run_id=run_id, error=None,
                   form={"run_id": run_id or "", "checkpoint": "best", "env": "", "episodes": 64, "k": 1,
-                        "temperature": 0.0})
+                        "temperature": ""})
 
 
 @router.get("/evals/{eval_id}/samples")
@@ -65,13 +65,13 @@ def eval_samples_page(request: Request, eval_id: int):
 def queue_from_form(request: Request, run_id: Annotated[int | None, Form()] = None,
                     checkpoint: Annotated[str, Form()] = "best",
                     env: Annotated[str, Form()] = "", episodes: Annotated[int, Form()] = 64,
-                    k: Annotated[int, Form()] = 1, temperature: Annotated[float, Form()] = 0.0,
+                    k: Annotated[int, Form()] = 1, temperature: Annotated[float | None, Form()] = None,
                     csrf_token: Annotated[str | None, Form()] = None):
     """Queue an evaluation of a run's checkpoint from the form; a bad field comes back on the form, named."""
     check_csrf(request, csrf_token)
     records = request.app.state.records
     form = {"run_id": run_id, "checkpoint": checkpoint, "env": env, "episodes": episodes, "k": k,
-            "temperature": temperature}
+            "temperature": "" if temperature is None else temperature}
     try:
         request_ = EvalRequest(run_id=run_id, checkpoint=int(checkpoint) if checkpoint.isascii() and
                                checkpoint.isdigit() else checkpoint, env=env.strip() or None,

@@ -123,8 +123,14 @@ def test_bad_requests_are_422_naming_the_field_and_listing_filters(tmp_path):
         listed = client.get("/api/v1/evals", params={"run_id": other["id"]}).json()
         assert [e["step"] for e in listed] == [5, 5]  # at step 5 (the form), and "latest" above
         client.post(f"/api/v1/evals/{listed[0]['id']}/stop")  # its checkpoint is an empty stand-in: never run it
+        # k 2 with the temperature left empty samples at the run's own temperature, as `molt eval --k 2` does
+        blank = client.post("/evals", data={**form, "checkpoint": "5", "temperature": ""}, headers={"Origin": studio.base})
+        assert blank.status_code == 303, blank.text
+        newest = max(client.get("/api/v1/evals", params={"run_id": other["id"]}).json(), key=lambda e: e["id"])
+        assert newest["config"]["k"] == 2 and newest["config"]["temperature"] == other["config"]["loop"]["temperature"] > 0
+        client.post(f"/api/v1/evals/{newest['id']}/stop")
         table = client.get("/evals.csv", params={"run_id": other["id"]}).text.splitlines()
-        assert table[0].startswith("id,run_id,checkpoint,step,env,episodes,k,temperature,status") and len(table) == 3
+        assert table[0].startswith("id,run_id,checkpoint,step,env,episodes,k,temperature,status") and len(table) == 4
         assert f'href="/evals?run_id={other["id"]}"' in client.get(f"/runs/{other['id']}").text  # Evaluate…
 
 
