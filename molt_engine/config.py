@@ -286,11 +286,27 @@ class RewardTerm(_Strict):
         return self
 
 
+class TeacherConfig(_Strict):
+    """On-policy distillation: a teacher scores every token the policy sampled; its per-token reverse KL (teacher
+    log-prob - the policy's behaviour log-prob) x coef is added to each token's advantage."""
+    path: str = Field(description="local Hugging Face causal-LM directory with the policy's tokenizer")
+    coef: float = Field(1.0, gt=0, description="weight of the per-token reverse KL in the advantage")
+    device: str = Field("trainer", pattern=r"^(trainer|cpu|cuda(:\d+)?)$", description="trainer = the trainer's device")
+
+    @field_validator("path")
+    @classmethod
+    def _a_model(cls, v, info):
+        if info.context != ELSEWHERE and not (Path(v) / "config.json").is_file():
+            raise ValueError(f"{v!r} is not a Hugging Face model directory (no config.json)")
+        return v
+
+
 class RewardsConfig(_Strict):
     """The episode's reward: the env's, weighted, plus any number of weighted terms (TRL's reward_funcs and
     reward_weights), scored in the loop's reward stage (molt_rewards). Evals report the env's reward alone."""
     env_weight: float = Field(1.0, description="weight of the env's own reward (0: the terms alone)")
     terms: list[RewardTerm] = Field(default_factory=list, description="extra reward terms, each recorded as reward/NAME")
+    teacher: TeacherConfig | None = Field(None, description="on-policy distillation from a teacher (None = none)")
 
     @model_validator(mode="after")
     def _names(self):

@@ -91,7 +91,7 @@ class Training(Scheduling, Recovery, Evaluation):
         # Reward terms and judges (molt_rewards): a package of their own, loaded by name only when a run has them
         rewards, device = cfg.rewards, next(self.model.parameters()).device
         self.scoring = (importlib.import_module("molt_rewards").Scoring(rewards, self.tokenizer, device)
-                        if rewards.terms or rewards.env_weight != 1 else None)
+                        if rewards.terms or rewards.env_weight != 1 or rewards.teacher else None)
         self.counts.update(dict.fromkeys(self.scoring.counters if self.scoring else (), 0))
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}                  # what train() returns: the last metrics, status, paths

@@ -1,5 +1,5 @@
 """Reward terms beyond the env's own: functions, reward models and LLM judges, weighted into each finished episode's
-reward. The loop's reward stage (molt_engine/scheduling.py) loads this package by name when a run has terms, and
+reward, and a distillation teacher's per-token advantages. The loop's reward stage (molt_engine/scheduling.py) loads this package by name when a run has terms, and
 scores each sampled group in a task of its own, so a slow term holds neither the rollout workers nor the trainer."""
 import asyncio
 import inspect
@@ -10,6 +10,7 @@ from molt_engine.envs import resolve
 
 from .judges import Judge
 from .models import RewardModel
+from .teacher import Teacher
 
 __all__ = ["Scoring"]
 
@@ -20,6 +21,8 @@ class Scoring:
     def __init__(self, cfg, tokenizer, trainer_device):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.terms = [(term, self.make(term, trainer_device)) for term in cfg.terms]
+        self.teacher = cfg.teacher and Teacher(cfg.teacher, tokenizer.pad_token_id, trainer_device if
+                                               cfg.teacher.device == "trainer" else cfg.teacher.device)
         # Counted per step (the loop reports and resets them): a failed or timed-out judge try each
         self.counters = ("judge_errors", "judge_timeouts") if any(t.judge for t in cfg.terms) else ()
 
@@ -49,6 +52,8 @@ class Scoring:
         texts = [self.text(e[-1]) + (e[0].reward,) for e in episodes]  # the last segment holds the most context
         counts, latencies = Counter(dict.fromkeys(self.counters, 0)), [[] for _ in episodes]
         values = await asyncio.gather(*(scorer(texts, counts, latencies) for _, scorer in self.terms))
+        if self.teacher:  # sets each row's token advantages, whatever the terms say of its episode
+            await self.teacher(rows)
         kept = []
         for i, episode in enumerate(episodes):
             raw = {term.name: v[i] for (term, _), v in zip(self.terms, values)}

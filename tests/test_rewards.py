@@ -254,3 +254,23 @@ def test_a_judge_key_that_is_not_set_stops_the_run_naming_the_variable(tmp_path,
     monkeypatch.delenv("JUDGE_KEY", raising=False)
     with pytest.raises(ValueError, match="environment variable JUDGE_KEY"):
         run(judged(judges.judge("good")), tmp_path)
+
+
+def save_policy(config: dict, seed: int, path) -> str:
+    model, tokenizer = load_policy(RunConfig.model_validate(config).model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_teacher_scores_every_sampled_token(tmp_path):
+    """A teacher identical to the student's initial weights agrees with every behaviour log-prob of the first step
+    (teacher KL 0); the student's update moves it away. Another teacher's KL is nonzero from the start."""
+    same = save_policy(BASE, 0, tmp_path / "same")
+    sink = run({**BASE, "rewards": {"env_weight": 0.0, "teacher": {"path": same}}}, tmp_path / "a")
+    assert sink.steps[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert abs(sink.steps[1]["teacher_kl"]) > 1e-4
+    other = save_policy(BASE, 1, tmp_path / "other")
+    sink = run({**BASE, "rewards": {"env_weight": 0.0, "teacher": {"path": other, "coef": 0.5}}}, tmp_path / "b")
+    assert sink.steps[0]["teacher_kl"] > 0.01  # another random init disagrees: the KL estimate is positive
+    assert sink.steps[0]["grad_norm"] > 0  # task rewards all 0: the teacher's advantages alone move the policy
