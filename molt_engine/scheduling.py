@@ -101,7 +101,8 @@ class Scheduling:
                 # At most a batch's worth filtered per step: with every group flat, steps go on, and without signal
                 # (the no-signal alert), rather than sampling forever
                 flat = (cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
-                        and self.counts["groups_filtered"] < cfg.loop.groups_per_step)
+                        and self.counts["groups_filtered"] < cfg.loop.groups_per_step
+                        and "token_advantages" not in group[0].info)  # a teacher's: a signal of its own
                 if stale or flat:
                     self.counts["stale_episodes_dropped" if stale else "groups_filtered"] += len(group) if stale else 1
                     self.release(1)

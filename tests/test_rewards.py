@@ -25,10 +25,10 @@ class Recorder:
     """A sink that keeps what the run reports."""
 
     def __init__(self):
-        self.steps, self.records, self.events = {}, [], []
+        self.steps, self.records, self.events, self.alerts = {}, [], [], []
 
     def metrics(self, step, values): self.steps[step] = values
-    def alert(self, kind, message, **data): pass
+    def alert(self, kind, message, **data): self.alerts.append(kind)
     def event(self, kind, message, **data): self.events.append((kind, message))
     def checkpoint(self, step, path, **info): pass
     def samples(self, step, kind, records): self.records += records
@@ -271,6 +271,9 @@ def test_a_teacher_scores_every_sampled_token(tmp_path):
     assert sink.steps[0]["teacher_kl"] == pytest.approx(0.0, abs=1e-5)
     assert abs(sink.steps[1]["teacher_kl"]) > 1e-4
     other = save_policy(BASE, 1, tmp_path / "other")
-    sink = run({**BASE, "rewards": {"env_weight": 0.0, "teacher": {"path": other, "coef": 0.5}}}, tmp_path / "b")
+    sink = run({**BASE, "alerts": {"no_signal_steps": 1}, "algo": {"filter_zero_variance": True},
+                "rewards": {"env_weight": 0.0, "teacher": {"path": other, "coef": 0.5}}}, tmp_path / "b")
     assert sink.steps[0]["teacher_kl"] > 0.01  # another random init disagrees: the KL estimate is positive
     assert sink.steps[0]["grad_norm"] > 0  # task rewards all 0: the teacher's advantages alone move the policy
+    # every group's rewards are equal, yet it trains: neither filtered as flat nor alerted as without signal
+    assert "no_signal" not in sink.alerts and all(v["groups_filtered"] == 0 for v in sink.steps.values())
