@@ -2,7 +2,7 @@
 LLM judge that takes 500 ms a call, group size 8, against no judge: the sampler's and trainer's idle ratios, which
 stay near the no-judge ones when judging overlaps sampling and training (loop.max_staleness 1).
 
-    python bench/rewards.py [--steps 30] [--pairs 2]
+    python bench/rewards.py [--steps 30] [--pairs 2] [--groups 8]
 
 Runs alternate within each pair. Prints each run's median samples/s and idle ratios over the steps after the first
 few, and the median over pairs of the with/without samples/s ratio. The judge is a real OpenAI-compatible server on
@@ -73,13 +73,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--groups", type=int, default=8, help="loop.groups_per_step (group size 8)")
     args = p.parse_args()
     terms = Path(tempfile.mkdtemp()) / "terms.py"
     terms.write_text("def length(prompt, completion, env_reward):\n    return -len(completion) / 10\n")
     os.environ["MOLT_ENVS"] = str(terms.parent)
     load_user_envs()
     base = {"env": "max_digit", "model": {"preset": "tiny-dense"}, "seed": 0, "checkpoint": {"every": 0},
-            "loop": {"steps": args.steps, "groups_per_step": 8, "group_size": 8, "max_staleness": 1, "eval_every": 0},
+            "loop": {"steps": args.steps, "groups_per_step": args.groups, "group_size": 8, "max_staleness": 1, "eval_every": 0},
             "warm_start": {"steps": 10}}
     term = {**base, "rewards": {"terms": [{"name": "length", "function": "terms:length", "weight": 0.1}]}}
     port = judge_server(0.5)
