@@ -24,8 +24,10 @@ class Alerts:
                    f"a trained token was {metrics['staleness_max']:.0f} versions old"),
                   ("mismatch_kl", "mismatch", metrics["mismatch_kl"], cfg.mismatch_kl,
                    f"KL between behaviour and recomputed log-probs is {metrics['mismatch_kl']:.3g}")]
-        # Every advantage is 0 when each group's rewards are equal: the loss has no gradient, nothing is learnt.
-        self.no_signal = self.no_signal + 1 if metrics.get("grad_norm") == 0 or metrics.get("reward_std") == 0 else 0
+        # Every advantage is 0 when each group's rewards are equal (and no distillation teacher adds its own): the
+        # loss has no gradient, nothing is learnt.
+        flat = metrics.get("reward_std") == 0 and "teacher_kl" not in metrics
+        self.no_signal = self.no_signal + 1 if metrics.get("grad_norm") == 0 or flat else 0
         cause = ("Every episode succeeds: the task is solved for this policy; stop, or try a harder task"
                  if metrics.get("pass_rate") == 1 else "The task is too hard or too easy for this policy; try a warm "
                  "start (warm_start.steps), a larger loop.group_size or another algo.lr")

@@ -85,7 +85,7 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.T
     """Token-mean clipped policy-gradient loss (decoupled PPO or GSPO-token) with off-policy IS correction.
 
     logp [B, T] carries the gradient; prox_logp is the same policy detached; behav_logp was recorded by the
-    sampler; advantages [B] holds one value per episode; mask [B, T] marks the trained action tokens.
+    sampler; advantages [B] holds one value per episode, or [B, T] one per token (distillation's); mask [B, T] marks the trained action tokens.
     Returns (scalar loss, stats as python floats). kl_ref is reported whenever ref_logp is given, and only
     enters the loss when kl_coef > 0.
     """
@@ -102,7 +102,7 @@ def policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.T
         # GSPO-token: each token's ratio has the value of its sequence's geometric-mean ratio, but its own gradient.
         log_s = diff.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
         ratio = (diff - diff.detach() + log_s.detach()).exp()
-    adv = advantages[:, None].to(ratio.dtype)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(ratio.dtype)
     unclipped, clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
     total = masked_mean(-w * torch.minimum(unclipped, clipped), mask)
 

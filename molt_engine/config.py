@@ -239,6 +239,83 @@ class EvalConfig(_Strict):
         return self
 
 
+class JudgeConfig(_Strict):
+    """An LLM judge behind an OpenAI-compatible endpoint (molt_rewards/judges.py): a rubric, one call per episode
+    (pointwise) or per group (group, RULER-like: the group's answers scored relative to each other)."""
+    base_url: str = Field(description="the endpoint, e.g. http://127.0.0.1:8000/v1")
+    model: str = Field(description="the judge model's name at the endpoint")
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="environment variable "
+                                    "that holds the key (the key itself never goes in a config); None = no key")
+    mode: Literal["pointwise", "group"] = Field("pointwise", description="pointwise: each answer scored 0-1 alone; "
+                                                "group: a group's answers in one call, scored relative to each other")
+    rubric: str = Field("Score how correct and helpful the answer is to the question.", description="the judge's "
+                        "instructions (its system message); the reply format it must use is added after it")
+    concurrency: int = Field(8, gt=0, description="calls in flight at most, over the whole run")
+    timeout_s: float = Field(30.0, gt=0, description="seconds per call before it counts as a timeout")
+    retries: int = Field(1, ge=0, description="calls again after a failed, timed-out or unreadable one")
+    on_error: Literal["zero", "drop"] = Field("zero", description="when every try failed: the term scores 0, or the "
+                                              "episode is dropped (not trained); either way counted")
+
+
+class RewardTerm(_Strict):
+    """One more reward term: a function, a reward model or a judge (exactly one), weighted into the episode's reward."""
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,40}$", description="recorded as the metric reward/NAME (unweighted)")
+    weight: float = Field(1.0, description="the episode's reward is rewards.env_weight x env reward + sum of weight x term")
+    function: str | None = Field(None, description="module:function of an env directory, sync or async def: "
+                                 "f(prompt=..., completion=..., env_reward=...) -> float")
+    model: str | None = Field(None, description="local Hugging Face AutoModelForSequenceClassification directory: its "
+                              "first logit for the episode's text (its chat template where it has one)")
+    judge: JudgeConfig | None = Field(None, description="an LLM judge's score, 0-1")
+    device: str = Field("trainer", pattern=r"^(trainer|cpu|cuda(:\d+)?)$", description="model: where it runs; "
+                        "trainer = the trainer's device")
+    normalize: Literal["none", "group"] = Field("none", description="group: the term's values standardised within "
+                                                "each group (mean 0, std 1) before weighting")
+
+    @model_validator(mode="after")
+    def _one_kind(self, info):
+        kinds = [k for k in ("function", "model", "judge") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError(f"reward term {self.name!r}: set exactly one of function, model, judge (got "
+                             f"{', '.join(kinds) or 'none'})")
+        if self.function and info.context != ELSEWHERE:
+            from .envs import resolve
+            resolve(self.function, {}, "reward function")
+        if self.model and info.context != ELSEWHERE and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"reward term {self.name!r}: model {self.model!r} is not a Hugging Face model directory "
+                             f"(no config.json)")
+        return self
+
+
+class TeacherConfig(_Strict):
+    """On-policy distillation: a teacher scores every token the policy sampled; its per-token reverse KL (teacher
+    log-prob - the policy's behaviour log-prob) x coef is added to each token's advantage."""
+    path: str = Field(description="local Hugging Face causal-LM directory with the policy's tokenizer")
+    coef: float = Field(1.0, gt=0, description="weight of the per-token reverse KL in the advantage")
+    device: str = Field("trainer", pattern=r"^(trainer|cpu|cuda(:\d+)?)$", description="trainer = the trainer's device")
+
+    @field_validator("path")
+    @classmethod
+    def _a_model(cls, v, info):
+        if info.context != ELSEWHERE and not (Path(v) / "config.json").is_file():
+            raise ValueError(f"{v!r} is not a Hugging Face model directory (no config.json)")
+        return v
+
+
+class RewardsConfig(_Strict):
+    """The episode's reward: the env's, weighted, plus any number of weighted terms (TRL's reward_funcs and
+    reward_weights), scored in the loop's reward stage (molt_rewards). Evals report the env's reward alone."""
+    env_weight: float = Field(1.0, description="weight of the env's own reward (0: the terms alone)")
+    terms: list[RewardTerm] = Field(default_factory=list, description="extra reward terms, each recorded as reward/NAME")
+    teacher: TeacherConfig | None = Field(None, description="on-policy distillation from a teacher (None = none)")
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = [t.name for t in self.terms]
+        if len(set(names)) < len(names) or "env" in names:
+            raise ValueError(f"reward term names must be unique and not 'env', got {names}")
+        return self
+
+
 class RunConfig(_Strict):
     env: str = Field(description="the env, agent or dataset env to train on, by its registered name")
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the env's constructor")
@@ -255,6 +332,7 @@ class RunConfig(_Strict):
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
     dist: DistConfig = Field(default_factory=DistConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
 
     @field_validator("env")

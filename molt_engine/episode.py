@@ -88,6 +88,9 @@ def collate(episodes: list[Episode], pad_id: int) -> dict:
             routes[i, before - prompts[i] + j - 1] = torch.tensor(x)
     if images := [image for e in episodes for image in e.images]:
         batch["pixel_values"] = torch.stack(images)
+    if any("token_advantages" in e.info for e in episodes):  # a distillation teacher's, added to the episode's
+        batch["token_adv"] = rows([e.info.get("token_advantages", [0.0] * len(e.token_ids)) for e in episodes],
+                                  0.0)[:, 1:].float()
     return batch
 
 

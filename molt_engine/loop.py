@@ -2,6 +2,7 @@
 import asyncio
 import copy
 import gc
+import importlib
 import os
 import signal
 import threading
@@ -87,6 +88,11 @@ class Training(Scheduling, Recovery, Evaluation):
         self.recent_env_errors, self.last_env_traceback = deque(maxlen=cfg.loop.env_error_window), ""
         self.errors = "agent_errors" if self.rollout.server else "env_errors"  # the counter a failed episode adds to
         self.counts = {self.errors: 0, "prompt_too_long": 0, "stale_episodes_dropped": 0, "groups_filtered": 0}
+        # Reward terms and judges (molt_rewards): a package of their own, loaded by name only when a run has them
+        rewards, device = cfg.rewards, next(self.model.parameters()).device
+        self.scoring = (importlib.import_module("molt_rewards").Scoring(rewards, self.tokenizer, device)
+                        if rewards.terms or rewards.env_weight != 1 or rewards.teacher else None)
+        self.counts.update(dict.fromkeys(self.scoring.counters if self.scoring else (), 0))
         self.eval_task: asyncio.Task | None = None
         self.summary: dict = {}                  # what train() returns: the last metrics, status, paths
         self.micro_batch_size = cfg.algo.micro_batch_size  # halved by each OOM in an update, for the rest of the run
@@ -107,6 +113,7 @@ class Training(Scheduling, Recovery, Evaluation):
             workers = loop.workers or loop.groups_per_step * (loop.max_staleness + 1)
             self.capacity = workers * loop.group_size
             async with asyncio.TaskGroup() as tg:
+                self.tasks = tg  # the reward stage scores each group in a task of its own (scheduling.py)
                 tg.create_task(self.sampler.run())
                 if self.rollout.server:  # an agent's requests: before the workers, which need its port
                     tg.create_task(self.rollout.server.serve())

@@ -33,13 +33,29 @@ class Scheduling:
                     cursor, self.cursor = self.cursor, self.cursor + 1
                 self.in_flight.add(cursor)
             group = await self.run_group(cursor)
-            async with self.changed:
-                self.in_flight.discard(cursor)
-                if group:
-                    self.buffer.append(group)
-                    self.changed.notify_all()
-                else:
-                    self.release(1)
+            if group and self.scoring:  # the reward stage: a slow term holds neither this worker nor the sampler
+                self.tasks.create_task(self.buffered(cursor, group))
+            else:
+                await self.buffered(cursor, group)
+
+    async def buffered(self, cursor: int, group: list[Episode] | None):
+        """Buffer a sampled group for training once its extra reward terms scored it (molt_rewards), or release it."""
+        if group and self.scoring:
+            group, counts = await self.scoring.score(group)
+            for name, n in counts.items():
+                self.counts[name] += n
+            group = group if self.enough(group) else None
+        async with self.changed:
+            self.in_flight.discard(cursor)
+            if group:
+                self.buffer.append(group)
+                self.changed.notify_all()
+            else:
+                self.release(1)
+
+    def enough(self, rows: list[Episode]) -> bool:
+        """Episodes enough to train on: two for a group estimator's baseline, else one."""
+        return len(one_per_episode(rows)) >= (2 if self.cfg.algo.estimator in GROUP_ESTIMATORS else 1)
 
     async def run_group(self, cursor: int) -> list[Episode] | None:
         """group_size episodes of one prompt, concurrently. Env failures drop the episode; too many stop the run."""
@@ -61,8 +77,7 @@ class Scheduling:
         if len(window) == window.maxlen and sum(window) > window.maxlen / 2:
             raise EnvFailure(f"{sum(window)} of the last {window.maxlen} episodes failed in env "
                              f"{self.cfg.env!r}; last error:\n{self.last_env_traceback}")
-        need = 2 if self.cfg.algo.estimator in GROUP_ESTIMATORS else 1
-        return episodes if len(one_per_episode(episodes)) >= need else None
+        return episodes if self.enough(episodes) else None
 
     async def agree_stop(self, batch) -> bool:
         """Stop now? More than one process: if any rank was asked, all stop at this step (a batch taken goes back)."""
@@ -86,7 +101,8 @@ class Scheduling:
                 # At most a batch's worth filtered per step: with every group flat, steps go on, and without signal
                 # (the no-signal alert), rather than sampling forever
                 flat = (cfg.algo.filter_zero_variance and len({e.reward for e in group}) == 1
-                        and self.counts["groups_filtered"] < cfg.loop.groups_per_step)
+                        and self.counts["groups_filtered"] < cfg.loop.groups_per_step
+                        and "token_advantages" not in group[0].info)  # a teacher's: a signal of its own
                 if stale or flat:
                     self.counts["stale_episodes_dropped" if stale else "groups_filtered"] += len(group) if stale else 1
                     self.release(1)

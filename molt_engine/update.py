@@ -152,15 +152,16 @@ class _Minibatch:
     """A slice of the batch's episodes, collated once for all epochs. Episodes with advantage 0 add exactly 0 to the
     policy gradient: they stay out of the forward and backward (the bulk of a step once most groups are solved),
     while the token mean still counts their tokens. The KL term is nonzero everywhere, so with it on, every episode
-    is trained. The episodes kept go in micro-batches of `micro` (None = one), each collated onto `device`."""
+    is trained, as is every episode a distillation teacher scored. The episodes kept go in micro-batches of `micro` (None = one), each collated onto `device`."""
 
     def __init__(self, episodes: list[Episode], adv: torch.Tensor, span: range, kl_coef: float, pad_id: int,
                  micro: int | None, device):
-        keep = [i for i in span if adv[i] != 0 or kl_coef > 0] or list(span)
+        keep = [i for i in span if adv[i] != 0 or kl_coef > 0 or "token_advantages" in episodes[i].info] or list(span)
         size = micro or len(keep)
         self.keeps = [keep[i:i + size] for i in range(0, len(keep), size)]
         self.batches = [to_device(collate([episodes[i] for i in k], pad_id), device) for k in self.keeps]
-        self.advs = [adv[k].to(device) for k in self.keeps]
+        self.advs = [adv[k].to(device)[:, None] + b["token_adv"] if "token_adv" in b else adv[k].to(device)
+                     for k, b in zip(self.keeps, self.batches)]  # a teacher's per-token advantages added
         self.action_tokens = sum(episodes[i].n_actions for i in span)
         self.kept_tokens, self.trained = sum(int(b["action_mask"].sum()) for b in self.batches), len(keep)
         self.prox: list[torch.Tensor | None] = [None] * len(self.keeps)
