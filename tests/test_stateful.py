@@ -303,7 +303,7 @@ SHORT = [int(os.environ["MOLT_STATEFUL_SEED"])] if os.environ.get("MOLT_STATEFUL
 
 @pytest.mark.parametrize("seed", SHORT)
 def test_short_sequences_keep_the_invariants(tmp_path, seed):
-    play(tmp_path, seed, int(os.environ.get("MOLT_STATEFUL_STEPS", 8)))
+    play(tmp_path, seed, int(os.environ.get("MOLT_STATEFUL_STEPS", 6)))
 
 
 @pytest.mark.slow
