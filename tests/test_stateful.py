@@ -289,10 +289,10 @@ def play(tmp_path, seed: int, steps: int):
         sequence = Sequence(served, seed)
         try:
             sequence.play(steps)
-        except Violation as e:
-            raise Violation(f"seed {seed}: {e}\nreplay: MOLT_STATEFUL_SEED={seed} MOLT_STATEFUL_STEPS={steps} "
-                            f"python -m pytest tests/test_stateful.py -k short\n" + "\n".join(sequence.log[-40:])) \
-                from None
+        except Exception as e:  # any failure (a timeout too) names the seed that replays it
+            raise Violation(f"seed {seed}: {type(e).__name__}: {e}\nreplay: MOLT_STATEFUL_SEED={seed} "
+                            f"MOLT_STATEFUL_STEPS={steps} python -m pytest tests/test_stateful.py -k short\n"
+                            + "\n".join(sequence.log[-40:])) from None
         finally:
             sequence.report.close()
             sequence.anonymous.close()
