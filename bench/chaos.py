@@ -242,10 +242,10 @@ class Soak:
             return True
         if kind == "tracker_down":  # every write to MLflow's store fails for a while, then it is back
             store = self.home / "mlruns"
-            if not store.is_dir():
+            live = [r for r, _, slot in self.running() if slot == "single"]  # the mirrored runs training now
+            if not store.is_dir() or not live:
                 return False
             seconds = self.rng.uniform(10, 30)
-            live = [r for r, _, slot in self.running() if slot == "single"]
             fault["target"] = {"tracker": "mlflow", "seconds": round(seconds, 1), "runs": live}
             store.rename(self.home / "mlruns.away")
             store.write_text("the tracker is down\n")
