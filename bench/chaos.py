@@ -6,9 +6,13 @@ computed from the database records (no lost or duplicate steps, every checkpoint
 Faults injected while the storm lasts (each logged with its time and target): SIGKILL of a worker, of one rank of a
 2-rank run, of the daemon, and of the whole `molt serve` process group (then served again on the same home);
 SIGSTOP/SIGCONT of a worker for less and for more than the heartbeat timeout; a stop and resume through the REST
-API; a second writer holding the database locked (BEGIN EXCLUSIVE). Each run is launched with drills from the
+API; a second writer holding the database locked (BEGIN EXCLUSIVE); SIGKILL of an evaluation job's worker; the
+tracker mirror's store taken away for a while (the single-process runs mirror to MLflow and TensorBoard: MLflow's
+directory becomes a file, so every write to it fails, then it comes back). Each run is launched with drills from the
 same seed: a NaN loss, a gradient spike, env errors, a full disk (ENOSPC) at a checkpoint write and at a database
-write. A slot whose run ended gets a new run while the storm lasts; after it, every run must end `completed`."""
+write. A slot whose run ended gets a new run while the storm lasts, as does a sweep (a grid of 2 points) and an
+evaluation job that ended; after it, every run, sweep and evaluation must end `completed`, each sweep with a
+completed run for each of its points and seeds, each evaluation with all its episodes."""
 import argparse
 import json
 import os
@@ -42,7 +46,7 @@ SLOTS = {  # a single-process run, a 2-rank run, a chat run with a tool (the age
     "chat": {"env": "chat_calculator", "model": {"preset": "tiny-chat"}},
 }
 STORM = ("worker_kill", "rank_kill", "daemon_kill", "serve_kill", "hang_short", "hang_long", "stop_resume",
-         "db_lock", "disk_full")
+         "db_lock", "disk_full", "eval_kill", "tracker_down")
 TMPFS_MB = 64  # the single-process runs' directories: room for their checkpoints, until the soak fills it
 DRILLS = ("nan", "spike", "env_error", "full_disk_checkpoint", "full_disk_db")
 TERMINAL = ("completed", "failed", "stopped", "tripped")
@@ -57,11 +61,12 @@ class Serve:
 
     def __init__(self, home: Path):
         env = {**os.environ, "MOLT_HOME": str(home), "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": str(ROOT), "MOLT_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S)}
+               "PYTHONPATH": str(ROOT), "MOLT_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+               "MLFLOW_ALLOW_FILE_STORE": "true"}  # the mirror's MLflow store: a directory of the soak's home
         env.pop("MOLT_TOKEN", None)
         log = open(home / "serve.log", "a")
         self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--home", str(home), "--port", "0",
-                                      "--concurrency", str(len(SLOTS)), "--stop-grace", "60"],
+                                      "--concurrency", str(len(SLOTS) + 1), "--stop-grace", "60"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                                      start_new_session=True)
         self.lines: list[str] = []
@@ -88,6 +93,8 @@ class Soak:
         self.faults: list[dict] = []
         self.slot_runs: dict[str, list[int]] = defaultdict(list)
         self.stopped_by_us: set[int] = set()
+        self.sweeps: list[int] = []
+        self.evals: list[int] = []
         self.serve: Serve | None = None
         self.mounts: list[Path] = []
         probe = home / "tmpfs-probe"  # a real full disk where the machine lets us mount one
@@ -124,6 +131,9 @@ class Soak:
         steps, rng = self.steps, self.rng
         cfg = json.loads(json.dumps({**BASE, **SLOTS[slot]}))
         cfg["loop"]["steps"] = steps
+        if slot == "single":  # mirrored to two trackers; "tracker_down" takes MLflow's store away for a while
+            cfg["report"] = {"to": ["mlflow", "tensorboard"],
+                             "mlflow": {"tracking_uri": f"file:{self.home / 'mlruns'}", "experiment": "chaos"}}
         cfg["seed"] = rng.randrange(1000)
         drills, planned = {}, []
         late = range(12, steps - 5)
@@ -172,6 +182,22 @@ class Soak:
         for slot, runs in self.slot_runs.items():
             if self.q("SELECT status FROM run WHERE id = ?", runs[-1])[0][0] in TERMINAL:
                 self.launch(slot)
+        if not self.sweeps or self.q("SELECT status FROM sweep WHERE id = ?", self.sweeps[-1])[0][0] != "running":
+            cfg = json.loads(json.dumps({**BASE, **SLOTS["single"]}))
+            cfg["loop"]["steps"] = max(self.steps // 2, 20)
+            sweep = self.api("post", "/api/v1/sweeps", json={
+                "name": f"sweep-{len(self.sweeps) + 1}", "config": cfg, "params": {"algo.lr": {"values": [1e-3, 3e-3]}},
+                "metric": "reward_mean", "max_restarts": 20}).json()
+            self.sweeps.append(sweep["id"])
+            say(f"launched sweep {sweep['id']} ({sweep['name']})")
+        if not self.evals or self.q("SELECT status FROM evaluation WHERE id = ?", self.evals[-1])[0][0] in TERMINAL:
+            # a completed run's best checkpoint, else a random policy: 32 episodes, greedy
+            done = self.q("SELECT id FROM run WHERE status = 'completed' AND sweep_id IS NULL ORDER BY id DESC LIMIT 1")
+            source = {"run_id": done[0][0], "checkpoint": "best"} if done else \
+                {"model": {"preset": "tiny-dense"}, "env": "max_digit"}
+            ev = self.api("post", "/api/v1/evals", json={**source, "episodes": 32, "max_restarts": 20}).json()
+            self.evals.append(ev["id"])
+            say(f"launched evaluation {ev['id']} of {source}")
 
     # ---- faults -------------------------------------------------------------------------------------------------
 
@@ -200,6 +226,32 @@ class Soak:
                 time.sleep(seconds)
                 writer.rollback()
                 writer.close()
+            self.faults.append(fault)
+            say(f"{kind} {fault['target']}")
+            return True
+        if kind == "eval_kill":  # an evaluation's worker
+            rows = self.q("SELECT id, pid, restarts FROM evaluation WHERE status = 'running' AND pid IS NOT NULL")
+            rows = [r for r in rows if alive(r[1])]
+            if not rows:
+                return False
+            eval_id, pid, restarts = self.rng.choice(rows)
+            fault["target"] = {"evaluation": eval_id, "worker": pid, "restarts": restarts}
+            kill_group(pid, signal.SIGKILL)
+            self.faults.append(fault)
+            say(f"{kind} {fault['target']}")
+            return True
+        if kind == "tracker_down":  # every write to MLflow's store fails for a while, then it is back
+            store = self.home / "mlruns"
+            live = [r for r, _, slot in self.running() if slot == "single"]  # the mirrored runs training now
+            if not store.is_dir() or not live:
+                return False
+            seconds = self.rng.uniform(10, 30)
+            fault["target"] = {"tracker": "mlflow", "seconds": round(seconds, 1), "runs": live}
+            store.rename(self.home / "mlruns.away")
+            store.write_text("the tracker is down\n")
+            time.sleep(seconds)
+            store.unlink()
+            (self.home / "mlruns.away").rename(store)
             self.faults.append(fault)
             say(f"{kind} {fault['target']}")
             return True
@@ -269,14 +321,18 @@ class Soak:
             while time.monotonic() < min(due, end):
                 self.relaunch()
                 time.sleep(0.5)
-            if time.monotonic() < end and self.inject(queue[0]):
-                queue.pop(0)
+            if time.monotonic() < end:  # a kind with no target now waits at the back of the round
+                kind = queue.pop(0)
+                if not self.inject(kind):
+                    queue.append(kind)
 
     def drain(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(self.q("SELECT status FROM run WHERE id = ?", r)[0][0] in TERMINAL
-                   for runs in self.slot_runs.values() for r in runs):
+            if all(status in TERMINAL for (status,) in self.q("SELECT status FROM run")) \
+                    and not self.q("SELECT 1 FROM sweep WHERE status = 'running'") \
+                    and all(self.q("SELECT status FROM evaluation WHERE id = ?", e)[0][0] in TERMINAL
+                            for e in self.evals):
                 return True
             time.sleep(1)
         return False
@@ -348,6 +404,21 @@ def verdict(soak: Soak, leftovers: list[int], drained: bool) -> dict:
                                                                           "end_step"), a)) for a in attempts]}
     duplicates += q("SELECT count(*) FROM (SELECT 1 FROM metric GROUP BY run_id, name, step HAVING count(*) > 1)")[0][0]
     not_done = [r for r in runs.values() if r["status"] != "completed"]  # the runs we stopped were resumed
+    sweeps_incomplete = []
+    for sweep_id, name, status, request in q("SELECT id, name, status, request FROM sweep"):
+        request = json.loads(request) if isinstance(request, str) else request
+        seeds = request.get("seeds", 1)
+        want = len(json.loads(q("SELECT points FROM sweep WHERE id = ?", sweep_id)[0][0])) * \
+            (seeds if isinstance(seeds, int) else len(seeds))
+        have = q("SELECT count(DISTINCT sweep_point || ':' || json_extract(config, '$.seed')), count(*), "
+                 "sum(status = 'completed') FROM run WHERE sweep_id = ?", sweep_id)[0]
+        if status != "completed" or have != (want, want, want):
+            sweeps_incomplete.append({"id": sweep_id, "name": name, "status": status, "points_x_seeds": want,
+                                      "distinct_runs": have[0], "runs": have[1], "completed": have[2]})
+    evals = q("SELECT id, status, json_extract(config, '$.episodes'), json_extract(metrics, '$.episodes'), "
+              "restarts FROM evaluation")
+    evals_incomplete = [{"id": i, "status": st, "episodes": want, "recorded": got} for i, st, want, got, _ in evals
+                        if st != "completed" or want != got]
     corrupt, loaded = checkpoints(soak.home, runs)
     evidence = [recorded(q, f, soak.faults) for f in soak.faults]
     missing_events = [{"kind": f["kind"], "target": f.get("target")} for f, e in zip(soak.faults, evidence) if not e]
@@ -359,10 +430,12 @@ def verdict(soak: Soak, leftovers: list[int], drained: bool) -> dict:
                      for r in per_run.values() for a in r["attempts"])
     return {
         "ok": drained and not not_done and not lost and not duplicates and not corrupt and not missing_events
-              and not leftovers,
+              and not leftovers and not sweeps_incomplete and not evals_incomplete,
         "faults": dict(Counter(f["kind"] for f in soak.faults)),
         "faults_total": len(soak.faults),
         "runs": len(runs), "runs_not_completed": [{"id": r["id"], "status": r["status"]} for r in not_done],
+        "sweeps": len(q("SELECT id FROM sweep")), "sweeps_incomplete": sweeps_incomplete,
+        "evals": len(evals), "evals_incomplete": evals_incomplete, "eval_restarts": sum(e[4] for e in evals),
         "restarts": sum(r["restarts"] for r in runs.values()),
         "attempt_causes": dict(causes),
         "lost_steps": lost, "duplicate_rows": duplicates,
@@ -424,6 +497,14 @@ def recorded(q, f: dict, faults: list[dict]) -> str | None:
                             and 0 <= g["target"]["step"] - target["step"] <= 2 for g in faults):
             hits = [f"attempt {n}: already ending: {c[:120]}" for n, c, _ in rows if c and "No space left" in c]
         return hits[0] if hits else None
+    if kind == "eval_kill":
+        rows = q("SELECT restarts FROM evaluation WHERE id = ?", target["evaluation"])
+        return f"evaluation restarted ({rows[0][0]} restarts)" if rows and rows[0][0] > target["restarts"] else None
+    if kind == "tracker_down":  # each run mirrored then counted what MLflow lost (report/dropped, a tracker event)
+        counted = [r for r in target["runs"] if q("SELECT 1 FROM event WHERE run_id = ? AND kind = 'tracker' AND "
+                                                 "time >= ? AND message LIKE 'mlflow%'", r, f["time"])
+                   or q("SELECT 1 FROM metric WHERE run_id = ? AND name = 'report/dropped' AND value > 0", r)]
+        return f"runs {counted} counted the records MLflow lost" if counted == target["runs"] else None
     if kind == "disk_full":
         rows = q("SELECT number, cause FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, f["time"])
         return f"attempt {rows[0][0]}: {(rows[0][1] or '')[:120]}" if rows else None

@@ -147,6 +147,23 @@ def test_the_soak_puts_a_rank_kill_down_to_the_checkpoint_drill_that_was_already
     assert recorded(q, kill, [{**drill, "target": {"run": 8, "step": 30}}, kill]) is None
 
 
+def test_the_soak_counts_a_tracker_fault_only_when_every_run_it_hit_counted_its_losses():
+    """tracker_down: each single-process run live while MLflow's store was gone must show the records it lost (a
+    `tracker` event about mlflow since the fault, or report/dropped above 0); an evaluation's kill, a restart."""
+    recorded = runpy.run_path(str(ROOT / "bench" / "chaos.py"))["recorded"]
+    down = {"kind": "tracker_down", "time": 1000.0, "target": {"tracker": "mlflow", "seconds": 12.0, "runs": [4, 7]}}
+    counted = {4: "event", 7: "metric"}  # run 4 left a tracker event, run 7 a report/dropped value
+
+    def q(sql, run, *args):
+        return [(1,)] if counted.get(run) == ("event" if "FROM event" in sql else "metric") else []
+    assert recorded(q, down, [down]) == "runs [4, 7] counted the records MLflow lost"
+    counted.pop(7)
+    assert recorded(q, down, [down]) is None
+    kill = {"kind": "eval_kill", "time": 1000.0, "target": {"evaluation": 3, "worker": 42, "restarts": 1}}
+    assert recorded(lambda sql, *args: [(2,)], kill, [kill]) == "evaluation restarted (2 restarts)"
+    assert recorded(lambda sql, *args: [(1,)], kill, [kill]) is None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_a_three_minute_chaos_soak_loses_nothing(tmp_path):
@@ -160,6 +177,8 @@ def test_a_three_minute_chaos_soak_loses_nothing(tmp_path):
     assert sum(n for kind, n in summary["faults"].items() if kind in ("worker_kill", "rank_kill", "daemon_kill",
                "serve_kill", "hang_short", "hang_long", "stop_resume", "db_lock", "disk_full")) >= 4, summary["faults"]
     assert summary["drained"] and summary["runs_not_completed"] == []
+    assert summary["sweeps"] > 0 and summary["sweeps_incomplete"] == []
+    assert summary["evals"] > 0 and summary["evals_incomplete"] == []
     assert (summary["lost_steps"], summary["duplicate_rows"], summary["corrupt_checkpoints"]) == (0, 0, 0)
     assert summary["checkpoints_loaded"] > 0
     assert summary["faults_without_event"] == []
