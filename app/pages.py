@@ -20,7 +20,7 @@ from markupsafe import escape
 from daemon.eval_records import list_evals
 from daemon.records import Conflict, RunNotFound
 from daemon.models import ACTIVE, STATUSES, TERMINAL, Metric
-from daemon.trackers import flat_config
+from daemon.trackers import flat_config, shown
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
@@ -29,7 +29,8 @@ from .run_columns import column_values, parse_columns
 from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
-TEMPLATES.env.filters["tojson_pretty"] = lambda v: json.dumps(v, indent=2, sort_keys=True)
+# a config on a page shows no credentials in its URLs (report.mlflow.tracking_uri's); the API keeps them, for clone
+TEMPLATES.env.filters["tojson_pretty"] = lambda v: shown(json.dumps(v, indent=2, sort_keys=True))
 TEMPLATES.env.globals["queue_notes"] = queue_notes  # the evaluations page shows each waiting one's place in line
 router = APIRouter(include_in_schema=False)
 RUNS_PER_PAGE = 100

@@ -338,6 +338,15 @@ def test_the_run_page_links_the_run_in_each_tracker_that_has_a_url(web, tmp_path
             f'</dd>') in browser.get(f"/runs/{run}").text  # TensorBoard, local files, has no page
 
 
+def test_the_run_page_shows_a_tracking_uri_without_its_credentials_and_the_api_keeps_them_for_clone(web):
+    uri = "http://alice:s3cret@127.0.0.1:9/"
+    run = new_run(web, config={**RUN, "report": {"to": ["mlflow"], "mlflow": {"tracking_uri": uri}}})
+    browser, _ = logged_in(web)
+    page = browser.get(f"/runs/{run['id']}").text
+    assert "http://127.0.0.1:9/" in page and "s3cret" not in page and "alice" not in page
+    assert web["client"].get(f"/api/v1/runs/{run['id']}").json()["config"]["report"]["mlflow"]["tracking_uri"] == uri
+
+
 @pytest.mark.slow  # two ranks start torch and gloo: about a minute on 2 busy cores
 def test_a_two_rank_molt_train_is_mirrored_from_rank_0_only(tmp_path):
     config = {**RUN, "loop": {**RUN["loop"], "steps": 3, "eval_every": 0}, "drills": {}, "checkpoint": {"every": 0}}
