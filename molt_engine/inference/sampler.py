@@ -73,7 +73,8 @@ class Sampler:
     swap_wait = 12
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
-                 kv_budget_gb: float | None = None, executor=None, cuda_graphs: bool | str = False):
+                 kv_budget_gb: float | None = None, executor=None, cuda_graphs: bool | str = False,
+                 kv_planned_gb: float | None = None):
         self.model, self.device, self.routers = model.eval(), next(model.parameters()).device, routers(model)
         text = model.config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -82,8 +83,10 @@ class Sampler:
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
         self.decoding, self.static = decoding(model, cuda_graphs), None
-        if self.decoding != "eager":  # static buffers sized by the budget, or by the free memory without one
-            self.static = StaticDecode(model, self.kv_tokens, token_bytes, capture=self.decoding == "CUDA graphs")
+        if self.decoding != "eager":  # static buffers sized by the budget, else the memory plan's KV share (loop.py),
+            planned = None if kv_planned_gb is None else int(kv_planned_gb * 1e9 / token_bytes)  # else free memory
+            self.static = StaticDecode(model, planned if self.kv_tokens is None else self.kv_tokens, token_bytes,
+                                       capture=self.decoding == "CUDA graphs")
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
