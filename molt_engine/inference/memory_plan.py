@@ -73,10 +73,9 @@ class MemoryPlan:
         return self.weights + self.gradients + self.optimizer + self.published + self.reference + self.samplers
 
     def parts(self) -> dict:
-        """The plan in GB, as the device event records it."""
+        """The plan in bytes, as the device event records it."""
         names = ("device", "weights", "gradients", "optimizer", "published", "reference", "samplers", "activations")
-        return {**{k: round(getattr(self, k) / 1e9, 3) for k in names},
-                "kv": [round(k / 1e9, 3) for k in self.kv], "prefill": [round(p / 1e9, 3) for p in self.prefill]}
+        return {**{k: int(getattr(self, k)) for k in names}, "kv": self.kv, "prefill": self.prefill}
 
     def describe(self) -> str:
         gb = lambda n: f"{n / 1e9:.2f}"
