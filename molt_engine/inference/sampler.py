@@ -141,7 +141,15 @@ class Sampler:
         self.waited += self.new_weights is not None
         if self.new_weights is not None and (not self.active or self.waited > self.swap_wait):
             (state_dict, self.version), self.new_weights, self.waited = self.new_weights, None, 0
-            self.model.load_state_dict(state_dict)
+            # Eager steps on weights of its own dtype and device, tied as its own are (one tensor per tied group):
+            # decode on the published tensors themselves (never changed in place: each version is a new copy), not
+            # on a copy of them. The static path's steps (CUDA graphs) read the parameters where they were captured.
+            mine, param = self.model.state_dict(), next(self.model.parameters())
+            pairs = {(mine[k].data_ptr(), v.data_ptr()) for k, v in state_dict.items()}
+            shared = (self.static is None and len(pairs) == len(dict(pairs)) == len({b for _, b in pairs})
+                      and all(v.dtype == param.dtype and v.device == param.device
+                              for v in state_dict.values() if v.is_floating_point()))
+            self.model.load_state_dict(state_dict, assign=shared)
             self.parked.clear()
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
