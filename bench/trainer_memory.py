@@ -116,10 +116,14 @@ def child_loop(vocab: int, evals: bool, checkpoints: bool) -> dict:
               Sink(), f"{out}/run")
         seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start
-    plan = next(data for kind, data in events if kind == "device")
-    return {"params": plan["parameters"], "seconds": round(seconds, 1), "peak_gb": peak / 1e9,
-            "plan": {k: v for k, v in plan["memory_plan"].items() if k in
-                     ("weights", "gradients", "optimizer", "published", "reference", "samplers")}}
+    return {"params": next(data for kind, data in events if kind == "device")["parameters"],
+            "seconds": round(seconds, 1), "peak_gb": peak / 1e9}
+
+
+# The copies of the weights a full fine-tune in fp32 keeps at its peak (the end of a step), bytes a parameter:
+# before, the sampler's weights were a copy of the published ones; now it decodes on them (Sampler.step, eager steps)
+COPIES = {"before": dict(weights=4, gradients_or_new_published=4, adamw=8, published=4, sampler=4, eval_sampler=4),
+          "after": dict(weights=4, gradients_or_new_published=4, adamw=8, published_and_sampler=4, eval_sampler=4)}
 
 
 def loop_variant(variant: str, vocab: int, before: str) -> dict:
@@ -172,10 +176,12 @@ def main():
     if args.loop is not None:
         for vocab in args.vocab:
             for variant in args.loop or ["before", "after"]:
-                r = loop_variant(variant, vocab, args.before)
-                print(f"vocab {vocab:6} {variant:18} peak {r['peak_gb']:5.2f} GB, {r['params']:,} params, "
-                      f"{r['seconds']} s; copies: " + ", ".join(f"{k} {v / r['params']:.0f} B/param"
-                                                               for k, v in r["plan"].items()), flush=True)
+                r, copies = loop_variant(variant, vocab, args.before), COPIES[variant.split("+")[0]]
+                counted = sum(copies.values()) * r["params"] / 1e9
+                print(f"vocab {vocab:6} {variant:14} peak {r['peak_gb']:5.2f} GB ({r['peak_gb'] * 1e9 / r['params']:.1f}"
+                      f" B/param), {r['params']:,} params, {r['seconds']} s; copies {sum(copies.values())} B/param = "
+                      f"{counted:.2f} GB ({', '.join(f'{k} {v}' for k, v in copies.items())}), the rest "
+                      f"{r['peak_gb'] - counted:.2f} GB", flush=True)
         return
     if args.child:
         print(json.dumps(child(int(args.child[0]), args.child[1] == "True", args.child[2] == "True")))

@@ -76,3 +76,31 @@ def test_set_checkpointing_turns_it_on_and_off_and_the_static_buffers_take_the_p
     sampler = Sampler(model, [1], 0, temperature=1.0, cuda_graphs="uncaptured", kv_planned_gb=1000 * token_bytes / 1e9)
     assert sampler.static.kv_tokens == 1000 and sampler.static.rows(100) == 1000 // 128
     assert sampler.kv_tokens is None  # no budget: requests park their keys for the next turn as before
+
+
+def test_an_eager_sampler_decodes_on_the_published_tensors_and_the_static_one_on_its_own_buffers():
+    """The trainer's copy of a version (dist.full_weights: a tied embedding one tensor) is what an eager sampler of
+    the same dtype decodes on after the swap: no copy of its own. Frozen parameters are shared with the trainer's
+    model. The static path copies into the parameters its steps read; a state dict tied otherwise is copied too."""
+    from molt_engine import dist
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, pad_token_id=0, eos_token_id=1, tie_word_embeddings=True)
+    trainer = LlamaForCausalLM(config)
+    trainer.model.norm.weight.requires_grad_(False)
+    published = dist.full_weights(trainer)
+    assert published["model.norm.weight"].data_ptr() == trainer.model.norm.weight.data_ptr()  # frozen: shared
+    assert published["model.embed_tokens.weight"].data_ptr() != trainer.model.embed_tokens.weight.data_ptr()
+    for cuda_graphs, shared in ((False, True), ("uncaptured", False)):
+        sampler = Sampler(LlamaForCausalLM(config).eval(), [1], 0, temperature=1.0, cuda_graphs=cuda_graphs)
+        sampler.publish(published, 1)
+        sampler.step()  # nothing active: the swap happens at once
+        ptr = lambda name: sampler.model.get_parameter(name).data_ptr()  # noqa: E731
+        assert (ptr("model.layers.0.mlp.up_proj.weight") == published["model.layers.0.mlp.up_proj.weight"].data_ptr()) == shared
+        assert ptr("lm_head.weight") == ptr("model.embed_tokens.weight")  # still tied
+        assert sampler.version == 1
+    untied = {k: v.clone() for k, v in published.items()}  # the embedding and the head: two tensors
+    sampler = Sampler(LlamaForCausalLM(config).eval(), [1], 0, temperature=1.0)
+    sampler.publish(untied, 2)
+    sampler.step()
+    assert sampler.model.get_parameter("lm_head.weight").data_ptr() == sampler.model.get_parameter("model.embed_tokens.weight").data_ptr()
+    assert all(p.data_ptr() != v.data_ptr() for p, v in zip(sampler.model.parameters(), untied.values()))
