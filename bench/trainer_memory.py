@@ -75,6 +75,73 @@ def child(tokens: int, checkpointing: bool, fused: bool) -> dict:
             "grad_norm": metrics["grad_norm"]}
 
 
+def child_loop(vocab: int, evals: bool, checkpoints: bool) -> dict:
+    """A whole short run (model.path, so checkpointing is the plan's) of the tiny-dense body (hidden 128, 4 layers) with
+    a `vocab`-entry tied embedding: its peak RSS above the process's before the model was built, with every copy of
+    the weights the run keeps (the device event's memory plan) and the bytes they leave unexplained."""
+    rss = lambda: int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    import string
+
+    import torch
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from molt_engine import train
+    torch.set_num_threads(1)
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # the char tokenizer's, then filler words
+    words = ["<pad>", "<eos>", "<unk>", *chars] + [f"w{i}" for i in range(vocab - len(chars) - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    events = []
+
+    class Sink:
+        def event(self, kind, message, **data):
+            events.append((kind, data))
+
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    with tempfile.TemporaryDirectory() as out:
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                     num_attention_heads=4, max_position_embeddings=512, tie_word_embeddings=True,
+                                     pad_token_id=0, eos_token_id=1, bos_token_id=None)).save_pretrained(f"{out}/m")
+        PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                unk_token="<unk>").save_pretrained(f"{out}/m")
+        start = rss()
+        t0 = time.perf_counter()
+        train({"env": "max_digit", "model": {"path": f"{out}/m"}, "warm_start": {"steps": 0},
+               "loop": {"steps": 4, "groups_per_step": 4, "group_size": 4, "eval_every": 2 if evals else 0,
+                        "eval_episodes": 4}, "checkpoint": {"every": 2 if checkpoints else 0}},
+              Sink(), f"{out}/run")
+        seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start
+    return {"params": next(data for kind, data in events if kind == "device")["parameters"],
+            "seconds": round(seconds, 1), "peak_gb": peak / 1e9}
+
+
+# The copies of the weights a full fine-tune in fp32 keeps at its peak (the end of a step), bytes a parameter:
+# before, the sampler's weights were a copy of the published ones; now it decodes on them (Sampler.step, eager steps)
+COPIES = {"before": dict(weights=4, gradients_or_new_published=4, adamw=8, published=4, sampler=4, eval_sampler=4),
+          "after": dict(weights=4, gradients_or_new_published=4, adamw=8, published_and_sampler=4, eval_sampler=4)}
+
+
+def loop_variant(variant: str, vocab: int, before: str) -> dict:
+    """`variant`: before or after (the engine at --before, or this tree), +noeval, +nockpt."""
+    with tempfile.TemporaryDirectory() as tree:
+        source = str(ROOT)
+        if variant.startswith("before"):
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", before, "molt_engine", "molt_envs"],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+            source = tree
+        out = subprocess.run([sys.executable, __file__, "--loop-child", str(vocab), str("+noeval" not in variant),
+                              str("+nockpt" not in variant)],
+                             env={**os.environ, "PYTHONPATH": source, "MALLOC_MMAP_THRESHOLD_": "131072"},
+                             check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run(variant: str, tokens: int, before: str) -> dict:
     with tempfile.TemporaryDirectory() as tree:
         source = str(ROOT)
@@ -97,7 +164,25 @@ def main():
     p.add_argument("--tokens", type=int, default=512, help="tokens per episode (4 episodes)")
     p.add_argument("--before", default=BEFORE, help="git revision of the engine 'before' runs")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--loop", nargs="*", metavar="VARIANT", help="whole short runs of a tiny body instead: before, "
+                   "after, with +noeval and/or +nockpt (evals, checkpoints off)")
+    p.add_argument("--vocab", type=int, nargs="+", default=[151936, 600], help="--loop: vocabulary sizes")
+    p.add_argument("--loop-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.loop_child:
+        print(json.dumps(child_loop(int(args.loop_child[0]), args.loop_child[1] == "True",
+                                    args.loop_child[2] == "True")))
+        return
+    if args.loop is not None:
+        for vocab in args.vocab:
+            for variant in args.loop or ["before", "after"]:
+                r, copies = loop_variant(variant, vocab, args.before), COPIES[variant.split("+")[0]]
+                counted = sum(copies.values()) * r["params"] / 1e9
+                print(f"vocab {vocab:6} {variant:14} peak {r['peak_gb']:5.2f} GB ({r['peak_gb'] * 1e9 / r['params']:.1f}"
+                      f" B/param), {r['params']:,} params, {r['seconds']} s; copies {sum(copies.values())} B/param = "
+                      f"{counted:.2f} GB ({', '.join(f'{k} {v}' for k, v in copies.items())}), the rest "
+                      f"{r['peak_gb'] - counted:.2f} GB", flush=True)
+        return
     if args.child:
         print(json.dumps(child(int(args.child[0]), args.child[1] == "True", args.child[2] == "True")))
         return

@@ -46,7 +46,8 @@ class ModelConfig(_Strict):
                           "default, as in TRL: the sampler never has it, so with it the log-prob mismatch is noise")
     lora: LoraConfig | None = Field(None, description="train LoRA adapters on the policy (None = all weights)")
     gradient_checkpointing: bool | None = Field(None, description="recompute each decoder layer's activations in the "
-                                                "backward (transformers' own); None = on for model.path, off for presets")
+                                                "backward (transformers' own); None = the memory plan decides at each "
+                                                "update: on when the activations would not fit (docs/trainer-memory.md)")
 
     @field_validator("preset")
     @classmethod

@@ -99,10 +99,13 @@ def wrap(model, optimizer, cfg):
 
 
 def full_weights(model) -> dict:
-    """A copy of the full weights (gathered from every rank's shard with FSDP2: a collective). Tied weights (one
+    """A copy of the full weights that train (gathered from every rank's shard with FSDP2: a collective). Tied weights (one
     tensor under two names, as Qwen2.5's embedding and head) stay one tensor: copied once, as save_pretrained expects."""
     weights = model.state_dict() if world() == 1 else get_model_state_dict(model, options=FULL)
-    copies = {}  # (data_ptr, shape, dtype) -> its copy
+    # Frozen parameters (LoRA's base, frozen routers) never change: shared, not copied (the base's 4 bytes a param).
+    # More than one process: the state dict's tensors are gathered anew (FSDP2) or replicated ones (DDP): copied.
+    copies = {(p.data_ptr(), p.shape, p.dtype): p.detach() for p in model.parameters()
+              if not p.requires_grad and world() == 1}
     for v in weights.values():
         if (v.data_ptr(), v.shape, v.dtype) not in copies:
             copies[v.data_ptr(), v.shape, v.dtype] = v.detach().clone()

@@ -20,7 +20,8 @@ from .chat import stop_ids
 from .config import RunConfig
 from .episode import Episode
 from .evaluation import Evaluation
-from .models import load_policy, merged, routers
+from .inference.memory_plan import Shape, device_bytes, plan
+from .models import load_policy, merged, routers, set_checkpointing
 from .recovery import Finished, Recovery
 from .rollout import EnvFailure, Rollout  # EnvFailure: re-exported
 from .inference.sampler import Sampler
@@ -166,14 +167,20 @@ class Training(Scheduling, Recovery, Evaluation):
         if policy.is_activation_checkpointing:  # the trainer's; its input hook, a local function, would also keep
             policy.activation_checkpointing_disable()  # a sampler process from pickling the copy
             policy.disable_input_require_grads()
+        # The device's memory, planned before the trainer's gradients and AdamW's moments exist (memory_plan.py): the
+        # samplers' static buffers take its KV shares, and each update checkpoints when its activations would not fit
+        evals = bool(loop.eval_every and dist.rank() == 0)  # more than one process: rank 0 evaluates
+        self.plan = plan(Shape.of(self.model), device_bytes(device), dtype_bytes=policy.dtype.itemsize,
+                         samplers=1 + evals + loop.sampler_process, reference=self.reference is not None)
         kw = dict(stop_ids=self.stops, pad_id=self.pad_id, version=self.version, temperature=loop.temperature,
                   kv_budget_gb=loop.kv_budget_gb, cuda_graphs=loop.cuda_graphs)
-        self.sampler = (SamplerProcess(policy, **kw) if loop.sampler_process else
-                        Sampler(policy, **kw, executor=None if loop.max_staleness else self.compute))
-        # More than one process: rank 0 evaluates
-        self.eval_sampler = Sampler(copy.deepcopy(policy), **kw) if loop.eval_every and dist.rank() == 0 else None
-        self.sink.event("device", f"training on {device}{name} in {dtype}, {self.sampler.decoding} decoding", device=str(device),
-                        dtype=dtype, decoding=self.sampler.decoding, trainable=count(only_trainable=True), parameters=count())
+        self.sampler = (SamplerProcess(policy, **kw, kv_planned_gb=self.plan.kv[0] / 1e9) if loop.sampler_process else
+                        Sampler(policy, **kw, kv_planned_gb=self.plan.kv[0] / 1e9,
+                                executor=None if loop.max_staleness else self.compute))
+        self.eval_sampler = Sampler(copy.deepcopy(policy), **kw, kv_planned_gb=self.plan.kv[-1] / 1e9) if evals else None
+        self.sink.event("device", f"training on {device}{name} in {dtype}, {self.sampler.decoding} decoding; "
+                        f"{self.plan.describe()}", device=str(device), dtype=dtype, decoding=self.sampler.decoding,
+                        trainable=count(only_trainable=True), parameters=count(), memory_plan=self.plan.parts())
         self.model, self.optimizer = dist.wrap(self.model, self.optimizer, self.cfg.dist)  # samplers: plain copies
 
     def request_stop(self):
@@ -249,12 +256,20 @@ class Training(Scheduling, Recovery, Evaluation):
 
     def update(self, groups: list[list[Episode]]) -> tuple[dict, dict | None, list[dict]]:
         """The update (on the trainer's thread): its and the batch's metrics, the weights to publish and the batch's
-        samples' records (record.samples_per_step groups). The micro-batch size that fit is kept."""
+        samples' records (record.samples_per_step groups). The micro-batch size that fit is kept. Unless
+        model.gradient_checkpointing says, the plan checkpoints when the largest micro-batch's activations would not
+        fit (every rank decides on the largest over the ranks)."""
+        checkpointing = self.cfg.model.gradient_checkpointing
+        if checkpointing is None and not routers(self.model):
+            episodes = [e for g in groups for e in g]
+            micro = self.micro_batch_size or -(-len(episodes) // self.cfg.algo.minibatches)
+            checkpointing = self.plan.checkpointing(int(dist.all_max([micro * max(len(e.token_ids) for e in episodes)])[0]))
+            set_checkpointing(self.model, checkpointing)
         (metrics, weights, adv, trainer_logprobs), self.micro_batch_size = train_step_fitting(
             self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
             published=self.published, reference=self.reference, pad_id=self.pad_id,
             micro_batch_size=self.micro_batch_size)
-        metrics.update(memory_metrics(next(self.model.parameters()).device))
+        metrics.update(memory_metrics(next(self.model.parameters()).device), gradient_checkpointing=float(bool(checkpointing)))
         samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
                                    self.version)
         return {**batch_metrics(groups, self.version), **metrics}, weights, samples

@@ -140,12 +140,23 @@ def load_policy(model_cfg, seed: int):
     if checkpointing and moe:
         raise ValueError("model.gradient_checkpointing: not with an MoE policy (the backward's recompute would route "
                          "freely, not through the experts the sampler used)")
-    if checkpointing or (checkpointing is None and model_cfg.path and not moe):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        for layer in model.modules():  # a layer checkpoints in training mode only: its own flag, not its submodules'
-            if isinstance(layer, GradientCheckpointingLayer):  # (so dropout stays off); no-grad forwards run as is
-                layer.training = True
+    if checkpointing:  # None: the memory plan decides at each update (loop.Training.update)
+        set_checkpointing(model, True)
     return model, processor
+
+
+def set_checkpointing(model, on: bool):
+    """Turn transformers' activation checkpointing (non-reentrant) on or off; `model` may be wrapped (DDP, FSDP2)."""
+    model = getattr(model, "module", model)
+    if on == model.is_activation_checkpointing:
+        return
+    if on:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.activation_checkpointing_disable()
+    for layer in model.modules():  # a layer checkpoints in training mode only: its own flag, not its submodules'
+        if isinstance(layer, GradientCheckpointingLayer):  # (so dropout stays off); no-grad forwards run as is
+            layer.training = on or model.training
 
 
 def merged(weights: dict, lora) -> dict:

@@ -20,8 +20,9 @@ def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, st
     """train_step, started over from `published` with micro-batches half the size (down to one episode) whenever it
     runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit.
     More than one process: the ranks agree on running out in a forward (_agreed_memory), so all of them retry
-    together. One that runs out elsewhere (a backward: the others are in its collectives) raises at once: its exit
-    ends the attempt (torchrun stops the others), not the group's timeout."""
+    together; so do they in an optimizer step. One that runs out in a backward (the others are in its collectives)
+    raises at once: its exit ends the attempt (torchrun stops the others), not the group's timeout, and the restart
+    starts from half the size (loop.Training.update records it)."""
     first_try = True
     while True:
         results, error = None, None
@@ -125,7 +126,8 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
         if breaker.refuses(norms[-1]):
             break
         if norms[-1] > 0:  # no signal (all advantages 0): Adam's momentum alone would still move the weights
-            optimizer.step()
+            with _agreed_memory("an optimizer step"):  # every rank steps here together: the norm is their largest
+                optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     grad_norm = math.nan if any(math.isnan(n) for n in norms) else max(norms)
     tripped = breaker.check(step, grad_norm)
@@ -177,16 +179,17 @@ class _Agreed(torch.OutOfMemoryError):
 
 
 @contextlib.contextmanager
-def _agreed_memory():
-    """Around forwards, which every rank runs as often: if one rank ran out of memory, all raise here, before the next
-    collective (a backward, a forward's buffer sync) where the others would wait for it until the group's timeout."""
+def _agreed_memory(where: str = "a forward"):
+    """Around forwards and optimizer steps, which every rank runs as often: if one rank ran out of memory, all raise
+    here, before the next collective (a backward, a forward's buffer sync, the next norm) where the others would wait
+    for it until the group's timeout."""
     error = None
     try:
         yield
     except torch.OutOfMemoryError as e:
         error = e
     if dist.any_rank(error is not None):
-        raise _Agreed(f"out of memory in a forward{'' if error else ' on another rank'}") from error
+        raise _Agreed(f"out of memory in {where}{'' if error else ' on another rank'}") from error
 
 
 def _autocast(cfg, device):

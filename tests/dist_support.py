@@ -1,5 +1,5 @@
 """One update on a fixed global batch, in one process or as a rank of `torchrun --nproc-per-node 2
-tests/dist_support.py OUT STRATEGY [spike] [micro] [oom] [forward-oom] [reinforce]`, which writes each rank's result
+tests/dist_support.py OUT STRATEGY [spike] [micro] [oom] [forward-oom] [step-oom] [reinforce]`, which writes each rank's result
 to OUT/rank-R.pt for tests/test_dist.py (with a reduction of metrics only some ranks report, and the stall watch)."""
 import sys
 import time
@@ -64,6 +64,15 @@ if __name__ == "__main__":
                 raise torch.OutOfMemoryError("CUDA out of memory (injected after the first training forward)")
             return result
         update_mod._logprobs = out_of_memory
+    if "step-oom" in sys.argv[2:] and dist.rank() == 1:  # rank 1's first optimizer step runs out, after the backward
+        real_step, steps = torch.optim.SGD.step, []
+
+        def step_out_of_memory(self, *args, **kwargs):
+            steps.append(1)
+            if len(steps) == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected in the first optimizer step)")
+            return real_step(self, *args, **kwargs)
+        torch.optim.SGD.step = step_out_of_memory
     result = step(cfg)
     # An env metric and a count only rank 1's episodes reported, a name only rank 0 has, a mean over both
     result["reduced"] = dist.reduce_metrics({"reward_mean": float(dist.rank()), "tool_errors": 2.0,

@@ -62,11 +62,12 @@ def test_micro_batches_of_unequal_count_over_the_ranks_give_the_weights_of_one_p
         assert_same_update(got, one)
 
 
-@pytest.mark.parametrize("where", ["oom", "forward-oom"])
+@pytest.mark.parametrize("where", ["oom", "forward-oom", "step-oom"])
 def test_an_out_of_memory_on_one_rank_is_retried_by_both(tmp_path, where):
-    """Only rank 1 runs out (drills.oom_rank 1 before the update, or a real OutOfMemoryError in its first training
-    forward, while rank 0 goes on to the backward's all-reduce): both ranks retry with micro-batches half their 8
-    episodes and publish what one process does without running out."""
+    """Only rank 1 runs out (drills.oom_rank 1 before the update, a real OutOfMemoryError in its first training
+    forward, while rank 0 goes on to the backward's all-reduce, or in its first optimizer step, while rank 0 goes on
+    to the next step): both ranks retry with micro-batches half their 8 episodes and publish what one process does
+    without running out."""
     one = step(config("ddp"))
     ranks = two_ranks(tmp_path, "ddp", where)
     assert [got["micro_batch_size"] for got in ranks] == [4, 4]

@@ -62,7 +62,11 @@ def test_bf16_shows_its_precision_gap_and_its_checkpoint_resumes_in_fp32_and_loa
     bf16 = Recorder()
     summary = train(config(model={"dtype": "bfloat16"}, loop={"steps": 4}, checkpoint={"every": 2}), bf16, tmp_path)
     assert summary["status"] == "completed"
-    assert [e["message"] for e in bf16.events if e["kind"] == "device"] == ["training on cpu in bfloat16, eager decoding"]
+    (device,) = [e for e in bf16.events if e["kind"] == "device"]
+    assert device["message"].startswith("training on cpu in bfloat16, eager decoding; memory plan of ")
+    plan = device["memory_plan"]  # bytes: 4 a parameter of weights, 2 of each sampler's copy (bf16)
+    assert plan["weights"] == 4 * device["parameters"] and plan["kv"][0] > 0
+    assert plan["samplers"] == len(plan["kv"]) * 2 * device["parameters"]
     # The sampler decodes in bf16, the trainer recomputes under bf16 autocast from fp32 weights: the gap shows.
     assert all(fp32.steps[s]["mismatch_abs"] < 1e-5 for s in fp32.steps)
     assert all(bf16.steps[s]["mismatch_abs"] > 1e-4 for s in bf16.steps)

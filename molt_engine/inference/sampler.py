@@ -73,7 +73,8 @@ class Sampler:
     swap_wait = 12
 
     def __init__(self, model, stop_ids: list[int], pad_id: int, temperature: float, version: int = 0,
-                 kv_budget_gb: float | None = None, executor=None, cuda_graphs: bool | str = False):
+                 kv_budget_gb: float | None = None, executor=None, cuda_graphs: bool | str = False,
+                 kv_planned_gb: float | None = None):
         self.model, self.device, self.routers = model.eval(), next(model.parameters()).device, routers(model)
         text = model.config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -82,8 +83,10 @@ class Sampler:
         # The budget as cache positions (rows x columns): keys and values of every layer, in the weights' dtype.
         self.kv_tokens = None if kv_budget_gb is None else int(kv_budget_gb * 1e9 / token_bytes)
         self.decoding, self.static = decoding(model, cuda_graphs), None
-        if self.decoding != "eager":  # static buffers sized by the budget, or by the free memory without one
-            self.static = StaticDecode(model, self.kv_tokens, token_bytes, capture=self.decoding == "CUDA graphs")
+        if self.decoding != "eager":  # static buffers sized by the budget, else the memory plan's KV share (loop.py),
+            planned = None if kv_planned_gb is None else int(kv_planned_gb * 1e9 / token_bytes)  # else free memory
+            self.static = StaticDecode(model, planned if self.kv_tokens is None else self.kv_tokens, token_bytes,
+                                       capture=self.decoding == "CUDA graphs")
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
@@ -138,7 +141,15 @@ class Sampler:
         self.waited += self.new_weights is not None
         if self.new_weights is not None and (not self.active or self.waited > self.swap_wait):
             (state_dict, self.version), self.new_weights, self.waited = self.new_weights, None, 0
-            self.model.load_state_dict(state_dict)
+            # Eager steps on weights of its own dtype and device, tied as its own are (one tensor per tied group):
+            # decode on the published tensors themselves (never changed in place: each version is a new copy), not
+            # on a copy of them. The static path's steps (CUDA graphs) read the parameters where they were captured.
+            mine, param = self.model.state_dict(), next(self.model.parameters())
+            pairs = {(mine[k].data_ptr(), v.data_ptr()) for k, v in state_dict.items()}
+            shared = (self.static is None and len(pairs) == len(dict(pairs)) == len({b for _, b in pairs})
+                      and all(v.dtype == param.dtype and v.device == param.device
+                              for v in state_dict.values() if v.is_floating_point()))
+            self.model.load_state_dict(state_dict, assign=shared)
             self.parked.clear()
             if self.active:
                 # The cache holds keys/values of the old weights: recompute it, so that every token's log-prob is
