@@ -190,7 +190,8 @@ Object.assign(Molt, (() => {
       el("run-alerts").textContent = run.alerts_open; el("run-alerts").className = run.alerts_open ? "badge" : "";
       el("run-error").hidden = !run.last_error; el("run-error").textContent = run.last_error || "";
       page.started_at = run.started_at; page.finished_at = run.finished_at; page.status = run.status;
-      if (JSON.stringify(run.attempts) !== JSON.stringify(page.attempts)) {
+      // a status without attempts (an older server's backfill) keeps what the page has
+      if (run.attempts && JSON.stringify(run.attempts) !== JSON.stringify(page.attempts)) {
         page.attempts = run.attempts; view.elapsed = clock(); render();
       }
       if (el("ov-pid")) el("ov-pid").textContent = run.pid ?? "—";
