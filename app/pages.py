@@ -4,7 +4,6 @@ import functools
 import inspect
 import json
 import socket
-import time
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -158,7 +157,6 @@ def list_context(request: Request, f: dict) -> dict:
         r["queue"] = notes.get(("run", r["id"]))  # what a queued run waits for
         r["cols"] = [values[c].get(r["id"]) for c in chosen]
         r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
-        r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
     # attributes, not dict keys: Jinja tries `r.name` as an attribute first, and a failed try per cell was a third
     # of the page's render time
     runs = [SimpleNamespace(**r) for r in runs]
@@ -360,9 +358,7 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
             best_name = r["config"].get("eval", {}).get("best", "eval_reward")
             best = c.execute(BEST_EVAL, {"run_id": r["id"], "name": best_name}).first()
             attempts[r["id"]] = [[a["started_at"], a["ended_at"]] for a in records.attempts(r["id"])]
-            seconds = sum(((a_end or (time.time() if r["status"] == "running" else r["finished_at"] or a_start))
-                           - a_start) for a_start, a_end in attempts[r["id"]])
-            summary.append({"run": r, "best": best, "best_name": best_name, "seconds": seconds if attempts[r["id"]] else None})
+            summary.append({"run": r, "best": best, "best_name": best_name, "seconds": r["duration_s"]})
     return render(request, "compare.html", runs=runs, rows=rows if all else differing, all=all,
                   differing=len(differing), total=len(rows), ids=",".join(str(r["id"]) for r in runs),
                   summary=summary, group=group, group_keys=["tag"] + keys,

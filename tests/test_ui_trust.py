@@ -3,6 +3,7 @@ write them: no console error on any page, one duration everywhere, axes that sho
 a run page and compare that do not jump."""
 import time
 
+import httpx
 import pytest
 from playwright.sync_api import expect
 from sqlmodel import Session
@@ -113,3 +114,24 @@ def test_no_console_error_on_any_page(site, page):
         page.goto(f"{site['base']}{path}")
         page.wait_for_load_state("networkidle")
         assert errors == [], (path, errors)
+
+
+def test_one_duration_on_every_page_and_in_the_api(site, page):
+    """Item 2: the runs list showed wall clock (end - start: 1:03:20 here), the run page and compare training time."""
+    run_id = site["runs"]["completed"]
+    client_run = site["records"].get_run(run_id)
+    assert client_run["duration_s"] == pytest.approx(200)
+    page.goto(f"{site['base']}/?token={TOKEN}")
+    expect(page.locator(f"tr[data-run-id='{run_id}'] td.duration")).to_have_text("0:03:20")
+    page.goto(f"{site['base']}/compare?ids={run_id}")
+    expect(page.locator("td.duration").first).to_have_text("0:03:20")
+    page.goto(f"{site['base']}/runs/{run_id}")
+    settle_run_page(page)
+    expect(page.locator("#ov-elapsed")).to_have_text("3m 20s")
+    # the API says the same, and sorting by duration follows it: 100 s (stopped) < 200 s (completed) < ...
+    api = httpx.get(f"{site['base']}/api/v1/runs/{run_id}", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert api["duration_s"] == pytest.approx(200)
+    page.goto(f"{site['base']}/?sort=duration&order=asc")
+    names = page.locator("table.runs tbody tr td.duration").all_text_contents()
+    seconds = [sum(int(x) * m for x, m in zip(t.split(":"), (3600, 60, 1))) for t in names if t != "—"]
+    assert seconds == sorted(seconds) and 200 in seconds, names

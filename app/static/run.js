@@ -158,10 +158,11 @@ Object.assign(Molt, (() => {
       state.overviews = (state.overviews || 0) + 1;
       const elapsed = document.getElementById("ov-elapsed"), eta = document.getElementById("ov-eta");
       if (!elapsed) return;
-      const running = page.status === "running";
+      // the duration every page and the API show (daemon/records.py, training_seconds), counted live
+      const live = ["running", "restarting", "stopping", "unreachable"].includes(page.status), running = page.status === "running";
       const now = Date.now() / 1000;  // a run with no attempt of its own (reported from elsewhere): start to end
       const secs = page.attempts.length ? page.attempts.reduce((sum, [start, end]) =>
-        sum + Math.max(0, (end ?? (running ? now : page.finished_at ?? start)) - start), 0)
+        sum + Math.max(0, (end ?? (live ? now : page.finished_at ?? start)) - start), 0)
         : page.started_at ? (page.finished_at ?? now) - page.started_at : null;
       elapsed.textContent = secs == null ? "—" : duration(secs);
       const step = Number(document.getElementById("run-step").textContent), total = page.total_steps;
