@@ -287,7 +287,7 @@ def run_panel(request: Request, run_id: int, panel: str):
         return render(request, "_records.html", run=run, attempts=records.attempts(run_id),
                       checkpoints=records.checkpoints(run_id), events=records.events(run_id)[-30:][::-1])
     if panel == "queue":
-        return render(request, "_queue.html", run=run, note=queue_note(request, run))
+        return render(request, "_queue.html", run=run, note=queue_note(request, run), polled=True)
     if panel == "log":
         return render(request, "_log.html", run=run, log=records.log_tail(run_id, max_bytes=16384), active=ACTIVE)
     raise HTTPException(404, f"no panel {panel}")

@@ -1,7 +1,7 @@
 // The compare page: chosen metrics of several runs overlaid (or grouped: mean with a min/max band), a summary table.
 "use strict";
 Object.assign(Molt, (() => {
-  const {COLORS, SECTIONS, axisTitle, activeClock, atStepsDone, Series, bindView, Chart} = Molt;
+  const {COLORS, SECTIONS, axisTitle, activeClock, Series, bindView, Chart} = Molt;
   // shown until the user picks others (kept in the URL's `metrics`)
   const DEFAULT_METRICS = ["reward_mean", "eval_reward", "policy_loss", "grad_norm", "entropy", "response_length",
                            "staleness_mean", "mismatch_kl", "is_filter_ratio", "samples_per_s"];
@@ -104,7 +104,7 @@ Object.assign(Molt, (() => {
         if (!r.ok) return;
         const body = await r.json();
         page.stores[id] = {};
-        for (const [name, s] of Object.entries(body.series)) (page.stores[id][name] = new Series()).merge(atStepsDone(name, s));
+        for (const [name, s] of Object.entries(body.series)) (page.stores[id][name] = new Series()).merge(s);
       }));
       state.loads = (state.loads || 0) + 1;
       draw();

@@ -1,7 +1,7 @@
 // The run page: a live chart per recorded metric (over the run's websocket) in collapsible sections, the overview strip.
 "use strict";
 Object.assign(Molt, (() => {
-  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, atStepsDone, Series, bindView, fmt, Chart, activeClock,
+  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, Series, bindView, fmt, Chart, activeClock,
          duration, throttled, toast} = Molt;
   // ---- the run page ----------------------------------------------------------------------------------------------
   function runPage(page) {
@@ -207,7 +207,7 @@ Object.assign(Molt, (() => {
       if (msg.type === "status") showRun(msg.run);
       else if (msg.type === "metrics") {
         for (const [name, s] of Object.entries(msg.series)) {
-          (store[name] ||= new Series()).merge(atStepsDone(name, s));
+          (store[name] ||= new Series()).merge(s);
           lastStep = Math.max(lastStep, s.step.length ? s.step[s.step.length - 1] : -1);  // as recorded (after_step)
         }
         render();
