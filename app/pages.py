@@ -24,7 +24,7 @@ from daemon.trackers import flat_config
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
 from .queue import queue_notes
-from .run_columns import column_values, parse_columns
+from .run_columns import SUMMARIES, column_values, config_keys, parse_columns
 from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
@@ -117,7 +117,7 @@ def safe_next(path: str) -> str:
 # ---- runs list ------------------------------------------------------------------------------------------------------
 
 RUN_COLUMNS = {"created": "created", "status": "status", "env": "env", "model": "model", "steps": "progress",
-               "duration": "duration", "best_eval": "best eval"}  # the sortable ones: key -> header
+               "reward": "reward", "duration": "duration", "best_eval": "best eval"}  # the sortable ones: key -> header
 
 
 def run_filters(status: str | None = None, env: str | None = None, tag: str | None = None, q: str | None = None,
@@ -177,8 +177,14 @@ def list_context(request: Request, f: dict) -> dict:
 @router.get("/")
 @guarded
 def runs_page(request: Request, filters: Annotated[dict, Depends(run_filters)]):
+    context = list_context(request, filters)
+    names = set()  # the columns box completes config keys and the listed runs' metric summaries
+    with request.app.state.records.engine.connect() as c:
+        for r in context["runs"]:
+            names.update(metric_names(c, r.id))
+    keys = [*config_keys(), *(f"{n}.{s}" for n in sorted(names) for s in SUMMARIES)]
     return render(request, "runs.html", gpus=machine_gpus(), envs=request.app.state.records.run_envs(),
-                  **list_context(request, filters))
+                  column_keys=keys, **context)
 
 
 def machine_gpus() -> list[dict]:

@@ -19,7 +19,7 @@ from .models import (ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric
 from .sample_records import SampleRecords
 from .sweep_records import SweepRecords
 
-RUN_SORTS = ("created", "status", "env", "model", "steps", "duration", "best_eval")
+RUN_SORTS = ("created", "status", "env", "model", "steps", "reward", "duration", "best_eval")
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
 
@@ -88,7 +88,7 @@ class Records(SampleRecords, DaemonRecords, SweepRecords):
         keys = {"created": Run.id, "status": Run.status, "env": func.json_extract(Run.config, "$.env"),
                 "model": func.coalesce(func.json_extract(Run.config, "$.model.path"),
                                        func.json_extract(Run.config, "$.model.preset")),
-                "steps": Run.step, "duration": duration_sql(now()),
+                "steps": Run.step, "reward": Run.reward, "duration": duration_sql(now()),
                 "best_eval": best_eval}
         if sort not in keys:
             raise ValueError(f"sort must be one of {', '.join(RUN_SORTS)}, not {sort!r}")

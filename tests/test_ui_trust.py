@@ -1,6 +1,7 @@
 """The dashboard at a glance (issue 67), in Chromium over a real SQLite file with runs written as their workers would
 write them: no console error on any page, one duration everywhere, axes that show the data and one meaning of step,
 a run page and compare that do not jump."""
+import re
 import time
 
 import httpx
@@ -244,3 +245,36 @@ def test_a_starting_run_and_compare_do_not_jump(site, browser):
     print(f"compare: CLS {shifts[0]:.3f} over 6 s, {len(shifts[1])} shifts: {shifts[1]}")
     assert shifts[0] < 0.1, shifts
     context.close()
+
+
+def test_the_columns_box_completes_refuses_unknown_keys_and_the_reward_column_sorts(site, page):
+    """Item 9 (and issue 64's "cols is unbounded"): an unknown key rendered "—" silently (`loop.lr`, the box's own
+    placeholder; `grad_norm.max`); any number of columns was taken, a query each; the reward column did not sort."""
+    page.goto(f"{site['base']}/?cols=loop.lr&token={TOKEN}")
+    expect(page.locator("#cols-error")).to_contain_text("unknown column 'loop.lr': not a config key, did you mean "
+                                                        "'algo.lr'?")
+    expect(page.locator("table.runs th", has_text="loop.lr")).to_have_count(0)
+    page.goto(f"{site['base']}/?cols=grad_norm.max")
+    expect(page.locator("#cols-error")).to_contain_text("did you mean 'grad_norm.best'")
+    page.goto(f"{site['base']}/?cols=" + ",".join(f"m{i}.last" for i in range(9)))
+    expect(page.locator("#cols-error")).to_contain_text("at most 8 extra columns, not 9")
+    # completion: the config keys and the listed runs' metric summaries
+    page.goto(f"{site['base']}/")
+    options = page.locator("#col-keys option")
+    values = set(options.evaluate_all("(os) => os.map((o) => o.value)"))
+    assert {"algo.lr", "loop.steps", "grad_norm.best", "eval_reward.last"} <= values
+    assert page.locator("input[name=cols]").get_attribute("list") == "col-keys"
+    assert page.locator("input[name=cols]").get_attribute("placeholder").startswith("algo.lr")
+    page.goto(f"{site['base']}/?cols=algo.lr,grad_norm.best")
+    expect(page.locator("table.runs th", has_text="algo.lr")).to_be_visible()
+    # the reward column sorts: highest first
+    with Session(site["records"].engine) as s:
+        for name, reward in (("stopped", 0.4), ("completed", 0.9), ("tripped", 0.1)):
+            set_run(s, site["runs"][name], None, reward=reward)
+        s.commit()
+    page.locator("table.runs th a", has_text="reward").first.click()
+    expect(page).to_have_url(re.compile(r"sort=reward"))
+    shown = [site["records"].get_run(int(r.get_attribute("data-run-id")))["reward"]
+             for r in page.locator("#runs-rows tr").all()]
+    rewards = [r for r in shown if r is not None]
+    assert len(rewards) >= 3 and rewards == sorted(rewards, reverse=True), shown
