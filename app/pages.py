@@ -355,8 +355,9 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
     keys = sorted(set().union(*leaves)) if leaves else []
     rows = [(k, [lv.get(k, "—") for lv in leaves]) for k in keys]
     differing = [(k, vals) for k, vals in rows if len({json.dumps(v) for v in vals}) > 1]
-    groups = {r["id"]: (", ".join(sorted(r["tags"])) or "untagged" if group == "tag" else
-                        f"{group}={json.dumps(lv.get(group, '—'))}") for r, lv in zip(runs, leaves)} if group else {}
+    # a run's groups: each of its tags (a run tagged "spike, ux" is in both), else its value of the config key
+    groups = {r["id"]: (sorted(r["tags"]) or ["untagged"] if group == "tag" else
+                        [f"{group}={json.dumps(lv.get(group, '—'))}"]) for r, lv in zip(runs, leaves)} if group else {}
     summary, attempts, names = [], {}, set()
     with records.engine.connect() as c:
         for r in runs:

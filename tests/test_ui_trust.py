@@ -35,6 +35,7 @@ def write_run(records: Records, name: str, status: str, steps: int, attempts: li
         series = {"reward_mean": {step: 0.1 + step / 100 for step in range(steps)},
                   "grad_norm": {step: 1.0 + step % 3 for step in range(steps)},
                   "loss": {step: 1 / (1 + step) for step in range(steps)},
+                  "entropy": {step: 0.5 for step in range(steps)},  # one value in every run
                   "eval_reward": {step: 0.2 + step / 100 for step in range(10, steps + 1, 10)}}
         for name, values in (extra or {}).items():
             series[name] = {**series.get(name, {}), **values}
@@ -56,7 +57,7 @@ def site(tmp_path_factory):
     runs = {
         "queued": write_run(records, "queued-one", "queued", 0, []),
         "running": write_run(records, "running-one", "running", 12, [(now - 60, None)]),
-        "stopped": write_run(records, "stopped-one", "stopped", 20, [(now - 900, now - 800)]),
+        "stopped": write_run(records, "stopped-one", "stopped", 20, [(now - 900, now - 800)], tags=["ux"]),
         # two attempts of 100 s each, an hour apart: 200 s of training, 3,800 s of wall clock
         "completed": write_run(records, "completed-one", "completed", 40,
                                [(now - 4000, now - 3900), (now - 300, now - 200)], tags=["spike", "ux"]),
@@ -278,3 +279,26 @@ def test_the_columns_box_completes_refuses_unknown_keys_and_the_reward_column_so
              for r in page.locator("#runs-rows tr").all()]
     rewards = [r for r in shown if r is not None]
     assert len(rewards) >= 3 and rewards == sorted(rewards, reverse=True), shown
+
+
+def test_compare_keeps_its_metrics_groups_by_each_tag_and_drops_constant_defaults(site, page):
+    """Item 5: "show" dropped the chosen metrics and x from the URL; grouping by tag used the whole tag set ("spike, ux"
+    was not in "ux"); the defaults charted metrics constant in every run."""
+    runs = site["runs"]
+    ids = f"{runs['stopped']},{runs['completed']},{runs['tripped']}"
+    page.goto(f"{site['base']}/compare?ids={ids}&token={TOKEN}")
+    expect(page.locator("#chart-reward_mean")).to_be_visible()
+    page.wait_for_function("window.__molt.loads >= 1")
+    expect(page.locator("#chart-entropy")).to_have_count(0)  # 0.5 in every run: named, not charted
+    expect(page.locator("#constant-note")).to_contain_text("entropy")
+    page.goto(f"{site['base']}/compare?ids={ids}&metrics=reward_mean,loss&x=elapsed")
+    expect(page.locator("#chart-loss")).to_be_visible()
+    page.select_option("select[name=group]", "tag")  # submits the form
+    expect(page).to_have_url(re.compile(r"group=tag"))
+    assert "metrics=reward_mean%2Closs" in page.url and "x=elapsed" in page.url, page.url
+    expect(page.locator("#chart-loss")).to_be_visible()
+    expect(page.locator("#chart-grad_norm")).to_have_count(0)
+    assert page.locator("#view select[name=x]").input_value() == "elapsed"
+    labels = page.evaluate("document.getElementById('chart-reward_mean').plot.series.slice(1).map((s) => s.label)")
+    assert sorted(labels) == ["spike (1 run, mean; min-max band)", "untagged (1 run, mean; min-max band)",
+                              "ux (2 runs, mean; min-max band)"], labels
