@@ -302,3 +302,69 @@ def test_compare_keeps_its_metrics_groups_by_each_tag_and_drops_constant_default
     labels = page.evaluate("document.getElementById('chart-reward_mean').plot.series.slice(1).map((s) => s.label)")
     assert sorted(labels) == ["spike (1 run, mean; min-max band)", "untagged (1 run, mean; min-max band)",
                               "ux (2 runs, mean; min-max band)"], labels
+
+
+def every_page(site) -> dict[str, str]:
+    runs, ids = site["runs"], ",".join(map(str, site["runs"].values()))
+    return {"runs list": "/", **{f"run page, {status}": f"/runs/{run_id}" for status, run_id in runs.items()},
+            "compare": f"/compare?ids={ids}", "evaluations": "/evals", "evaluation samples": f"/evals/{site['eval']}/samples",
+            "samples": f"/runs/{runs['completed']}/samples", "sweeps": "/sweeps", "sweep": f"/sweeps/{site['sweep']}",
+            "new sweep": f"/sweeps/new?run_id={runs['completed']}", "launch": "/runs/new"}
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_axe_finds_no_serious_violation_on_any_page(site, browser, theme):
+    from axe_playwright_python.sync_playwright import Axe
+    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    context.add_init_script(f"localStorage.setItem('molt-theme', '{theme}')")
+    page = context.new_page()
+    page.goto(f"{site['base']}/?token={TOKEN}")
+    axe, problems = Axe(), []
+    for name, path in every_page(site).items():
+        page.goto(f"{site['base']}{path}")
+        page.wait_for_load_state("networkidle")
+        found = axe.run(page).response["violations"]
+        problems += [f"{name}: {v['id']} ({v['impact']}): {[n['target'] for n in v['nodes']][:4]}"
+                     for v in found if v["impact"] in ("serious", "critical")]
+    context.close()
+    assert problems == [], "\n".join(problems)
+
+
+def test_a_phone_never_scrolls_sideways_and_wide_tables_scroll_in_their_box(site, browser):
+    """Item 8: at 390 px the sweep page was 773 px wide (its parallel-coordinates chart); the run page's attempts and
+    checkpoints tables were cut; names wrapped one character group per line on compare. The sweep's rows are named
+    (item 6: they showed "#4")."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    page = context.new_page()
+    page.goto(f"{site['base']}/?token={TOKEN}")
+    wide = []
+    for name, path in every_page(site).items():
+        page.goto(f"{site['base']}{path}")
+        page.wait_for_load_state("networkidle")
+        width = page.evaluate("document.scrollingElement.scrollWidth")
+        if width > 390:
+            wide.append((name, width))
+    assert wide == [], wide
+    page.goto(f"{site['base']}/runs/{site['runs']['completed']}")
+    expect(page.locator("#attempts")).to_have_count(1)
+    assert page.locator("#attempts").evaluate("(t) => t.parentElement.classList.contains('table-scroll')")
+    assert page.locator("#checkpoints").evaluate("(t) => t.parentElement.classList.contains('table-scroll')")
+    page.goto(f"{site['base']}/sweeps/{site['sweep']}")
+    first = page.locator("#sweep-runs tbody tr").first.locator("td").nth(1)
+    run = site["records"].get_run(int(first.locator("a").get_attribute("href").split("/")[-1]))
+    expect(first).to_contain_text(run["name"])
+    page.goto(f"{site['base']}/compare?ids={','.join(map(str, site['runs'].values()))}")
+    cell = page.locator("#summary tbody tr td").first if page.locator("#summary tbody").count() else \
+        page.locator("#summary tr[data-run-id] td").first
+    line = float(cell.evaluate("(c) => parseFloat(getComputedStyle(c).lineHeight) || 20"))
+    assert cell.bounding_box()["height"] <= 3 * line + 12, cell.bounding_box()  # a name on at most 3 lines
+    context.close()
+
+
+def test_the_new_sweep_form_prefills_round_values(site, page):
+    """Item 6: the form prefilled `9.999999999999999e-05` (lr / 3 of 3e-4)."""
+    page.goto(f"{site['base']}/sweeps/new?run_id={site['runs']['completed']}&token={TOKEN}")
+    params = page.locator("textarea[name=params]").input_value()
+    assert '"values": [\n      0.0001,\n      0.0003,\n      0.0009\n    ]' in params, params
+    boxes = [page.locator(f"textarea[name={n}]").bounding_box() for n in ("params", "config")]
+    assert boxes[0]["x"] == boxes[1]["x"] and boxes[0]["width"] == boxes[1]["width"]  # aligned, one under the other
