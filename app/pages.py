@@ -271,10 +271,18 @@ def samples_page(request: Request, run_id: int):
     """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
     run = get_run_or_404(request, run_id)
     # an evaluation's episodes are recorded at step = its id: the page names the evaluation, its checkpoint and
-    # step, and the policy version of that checkpoint (the trainer's version on them is 0)
-    versions = {c["step"]: c["version"] for c in request.app.state.records.checkpoints(run_id)}
-    evaluations = {e["id"]: {"checkpoint": e["checkpoint"], "step": e["step"], "version": versions.get(e["step"])}
-                   for e in list_evals(request.app.state.records.engine, run_id)}
+    # step, and the policy version of that checkpoint (the trainer's version on them is 0): the checkpoint's own,
+    # else the version the run recorded at the step before (step N's policy is the one after N steps), 0 at step 0
+    records = request.app.state.records
+    versions = {c["step"]: c["version"] for c in records.checkpoints(run_id)}
+    evaluations = {}
+    with records.engine.connect() as c:
+        for e in list_evals(records.engine, run_id):
+            version = versions.get(e["step"])
+            if version is None and e["step"] is not None:
+                version = 0 if e["step"] == 0 else c.scalar(VERSION_BEFORE, {"run_id": run_id, "step": e["step"]})
+            evaluations[e["id"]] = {"checkpoint": e["checkpoint"], "step": e["step"],
+                                    "version": None if version is None else int(version)}
     return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"],
                                                           "evaluations": evaluations})
 
@@ -374,6 +382,9 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
                   recent=records.list_runs(limit=30, config=False))
 
 
+# the policy version a run recorded at its last step before `step` (a trainer step records the version after it)
+VERSION_BEFORE = (select(Metric.value).where(Metric.run_id == bindparam("run_id"), Metric.name == "version",
+                                             Metric.step < bindparam("step")).order_by(Metric.step.desc()).limit(1))
 # the best value of a run's eval.best metric, and its step (NaN is stored as NULL: skipped)
 BEST_EVAL = (select(Metric.value, Metric.step).where(Metric.run_id == bindparam("run_id"),
                                                      Metric.name == bindparam("name"), Metric.value.is_not(None))

@@ -368,3 +368,30 @@ def test_the_new_sweep_form_prefills_round_values(site, page):
     assert '"values": [\n      0.0001,\n      0.0003,\n      0.0009\n    ]' in params, params
     boxes = [page.locator(f"textarea[name={n}]").bounding_box() for n in ("params", "config")]
     assert boxes[0]["x"] == boxes[1]["x"] and boxes[0]["width"] == boxes[1]["width"]  # aligned, one under the other
+
+
+def test_evaluation_samples_show_their_policy_version_and_the_step_filter_names_them(site, page):
+    """Item 7: every evaluation episode said "policy version unknown" (a `best` checkpoint has no checkpoint row), and
+    the step filter listed the evaluation's id as if it were a step."""
+    from daemon.models import Evaluation, Sample
+    run_id = site["runs"]["stopped"]
+    tokens = {"id": [1, 2], "text": ["q", "a"], "action": [0, 1], "logprob": [None, -0.1],
+              "trainer_logprob": [None, None], "version": [0, 0], "entropy": [None, 0.2]}
+    with Session(site["records"].engine) as s:
+        for step in range(20):  # the version after each step: one skipped (a trip) at step 4
+            s.add(Metric(run_id=run_id, name="version", step=step, value=float(step + (step < 4))))
+        evaluation = Evaluation(run_id=run_id, checkpoint="best", step=12, config={"env": "max_digit"},
+                                status="completed")
+        s.add(evaluation)
+        s.flush()
+        eval_id = evaluation.id
+        s.add(Sample(run_id=run_id, step=eval_id, kind="evaluation", position=0, group_id=0, seed=1, version=0,
+                     reward=1.0, advantage=0.0, success=True, turns=1, tool_calls=0, tool_errors=0, prompt="q",
+                     text="qa", tokens=tokens))
+        s.commit()
+    page.goto(f"{site['base']}/runs/{run_id}/samples?token={TOKEN}")
+    page.wait_for_selector("#samples[data-loaded]")
+    episode = page.locator("#samples article").first
+    expect(episode).to_contain_text(f"evaluation #{eval_id} · checkpoint best (step 12)")
+    expect(episode).to_contain_text("policy version 11")  # recorded at step 11: the policy after 12 steps
+    expect(page.locator("select[name=step] option", has_text=f"evaluation #{eval_id} (of step 12)")).to_have_count(1)
