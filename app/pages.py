@@ -166,7 +166,7 @@ def list_context(request: Request, f: dict) -> dict:
     newest = {k: v for k, v in state.items() if k != "before"}
     flip = lambda key: "asc" if f["sort"] == key and f["order"] == "desc" else "desc"  # noqa: E731
     return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": {**RUN_COLUMNS, **{c: c for c in chosen}},
-            "chosen": chosen, "active": ACTIVE,
+            "chosen": chosen, "active": ACTIVE, "terminal": TERMINAL,  # delete: only an ended run (as the API)
             "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)})
                            for key in [*RUN_COLUMNS, *chosen]},
             "query": urlencode({**state, **({"offset": f["offset"]} if f["offset"] else {})}),

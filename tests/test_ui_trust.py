@@ -395,3 +395,11 @@ def test_evaluation_samples_show_their_policy_version_and_the_step_filter_names_
     expect(episode).to_contain_text(f"evaluation #{eval_id} · checkpoint best (step 12)")
     expect(episode).to_contain_text("policy version 11")  # recorded at step 11: the policy after 12 steps
     expect(page.locator("select[name=step] option", has_text=f"evaluation #{eval_id} (of step 12)")).to_have_count(1)
+
+
+def test_delete_is_offered_only_where_the_api_allows_it(site, page):
+    """Item 10: the runs list offered delete on a queued run, which the API refuses (409)."""
+    page.goto(f"{site['base']}/?token={TOKEN}")
+    for status, run_id in site["runs"].items():
+        button = page.locator(f"tr[data-run-id='{run_id}'] button[data-action=delete]")
+        expect(button).to_have_count(1 if status in ("stopped", "completed", "tripped") else 0)
