@@ -23,6 +23,7 @@ from daemon.trackers import flat_config
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
+from .live import daemon_message
 from .queue import queue_notes
 from .run_columns import SUMMARIES, column_values, config_keys, parse_columns
 from .series import metric_names
@@ -45,6 +46,8 @@ def page_auth(request: Request):
 
 def render(request: Request, template: str, status_code: int = 200, **context) -> HTMLResponse:
     auth = request.app.state.auth
+    if not template.startswith("_"):  # a whole page: its daemon banner as it is now, so that it never pops in above
+        context.setdefault("daemon", daemon_message(request.app.state.records.daemon_status()))
     return TEMPLATES.TemplateResponse(request, template, {"csrf": auth.csrf, "csrf_field": CSRF_FIELD, **context},
                                       status_code=status_code)
 
@@ -178,9 +181,11 @@ def list_context(request: Request, f: dict) -> dict:
 @guarded
 def runs_page(request: Request, filters: Annotated[dict, Depends(run_filters)]):
     context = list_context(request, filters)
-    names = set()  # the columns box completes config keys and the listed runs' metric summaries
+    # the columns box completes config keys and the metric summaries of the first 20 listed runs (bounded: each is a
+    # seek per name, and the page is the dashboard's most requested)
+    names = set()
     with request.app.state.records.engine.connect() as c:
-        for r in context["runs"]:
+        for r in context["runs"][:20]:
             names.update(metric_names(c, r.id))
     keys = [*config_keys(), *(f"{n}.{s}" for n in sorted(names) for s in SUMMARIES)]
     return render(request, "runs.html", gpus=machine_gpus(), envs=request.app.state.records.run_envs(),
