@@ -183,7 +183,8 @@ def read_backfill(app: FastAPI, run_id: int, after_step: int, max_points: int) -
     records = app.state.records
     run = records.get_run(run_id)
     metrics = rest.metric_series(app.state.series, run_id, None, after_step, max_points)
-    return [{"type": "status", "run": run},
+    attempts = [[a["started_at"], a["ended_at"]] for a in records.attempts(run_id)]  # as the poller's status has them
+    return [{"type": "status", "run": {**run, "attempts": attempts}},
             {"type": "metrics", "series": metrics["series"], "backfill": True},
             {"type": "alerts", "alerts": records.alerts(run_id)},
             {"type": "events", "events": records.events(run_id)[-50:]},

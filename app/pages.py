@@ -4,7 +4,6 @@ import functools
 import inspect
 import json
 import socket
-import time
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,8 +23,9 @@ from daemon.trackers import flat_config, shown
 
 from . import rest
 from .auth import CSRF_FIELD, SESSION_COOKIE, same_origin
+from .live import daemon_message
 from .queue import queue_notes
-from .run_columns import column_values, parse_columns
+from .run_columns import SUMMARIES, column_values, config_keys, parse_columns
 from .series import metric_names
 
 TEMPLATES = Jinja2Templates(directory=Path(__file__).resolve().parent.parent / "templates")  # autoescape is on
@@ -47,6 +47,8 @@ def page_auth(request: Request):
 
 def render(request: Request, template: str, status_code: int = 200, **context) -> HTMLResponse:
     auth = request.app.state.auth
+    if not template.startswith("_"):  # a whole page: its daemon banner as it is now, so that it never pops in above
+        context.setdefault("daemon", daemon_message(request.app.state.records.daemon_status()))
     return TEMPLATES.TemplateResponse(request, template, {"csrf": auth.csrf, "csrf_field": CSRF_FIELD, **context},
                                       status_code=status_code)
 
@@ -119,7 +121,7 @@ def safe_next(path: str) -> str:
 # ---- runs list ------------------------------------------------------------------------------------------------------
 
 RUN_COLUMNS = {"created": "created", "status": "status", "env": "env", "model": "model", "steps": "progress",
-               "duration": "duration", "best_eval": "best eval"}  # the sortable ones: key -> header
+               "reward": "reward", "duration": "duration", "best_eval": "best eval"}  # the sortable ones: key -> header
 
 
 def run_filters(status: str | None = None, env: str | None = None, tag: str | None = None, q: str | None = None,
@@ -159,7 +161,6 @@ def list_context(request: Request, f: dict) -> dict:
         r["queue"] = notes.get(("run", r["id"]))  # what a queued run waits for
         r["cols"] = [values[c].get(r["id"]) for c in chosen]
         r["etag"] = f"{zlib.crc32(json.dumps(r, sort_keys=True, default=str).encode()):08x}"
-        r["duration"] = ((r["finished_at"] or time.time()) - r["started_at"]) if r["started_at"] else None
     # attributes, not dict keys: Jinja tries `r.name` as an attribute first, and a failed try per cell was a third
     # of the page's render time
     runs = [SimpleNamespace(**r) for r in runs]
@@ -169,7 +170,7 @@ def list_context(request: Request, f: dict) -> dict:
     newest = {k: v for k, v in state.items() if k != "before"}
     flip = lambda key: "asc" if f["sort"] == key and f["order"] == "desc" else "desc"  # noqa: E731
     return {"runs": runs[:RUNS_PER_PAGE], "f": f, "statuses": STATUSES, "columns": {**RUN_COLUMNS, **{c: c for c in chosen}},
-            "chosen": chosen, "active": ACTIVE,
+            "chosen": chosen, "active": ACTIVE, "terminal": TERMINAL,  # delete: only an ended run (as the API)
             "sort_links": {key: "/?" + urlencode({**state, "sort": key, "order": flip(key)})
                            for key in [*RUN_COLUMNS, *chosen]},
             "query": urlencode({**state, **({"offset": f["offset"]} if f["offset"] else {})}),
@@ -180,8 +181,16 @@ def list_context(request: Request, f: dict) -> dict:
 @router.get("/")
 @guarded
 def runs_page(request: Request, filters: Annotated[dict, Depends(run_filters)]):
+    context = list_context(request, filters)
+    # the columns box completes config keys and the metric summaries of the first 20 listed runs (bounded: each is a
+    # seek per name, and the page is the dashboard's most requested)
+    names = set()
+    with request.app.state.records.engine.connect() as c:
+        for r in context["runs"][:20]:
+            names.update(metric_names(c, r.id))
+    keys = [*config_keys(), *(f"{n}.{s}" for n in sorted(names) for s in SUMMARIES)]
     return render(request, "runs.html", gpus=machine_gpus(), envs=request.app.state.records.run_envs(),
-                  **list_context(request, filters))
+                  column_keys=keys, **context)
 
 
 def machine_gpus() -> list[dict]:
@@ -268,10 +277,18 @@ def samples_page(request: Request, run_id: int):
     """The recorded episodes, token by token; the filters live in the URL and the script reads them (samples.js)."""
     run = get_run_or_404(request, run_id)
     # an evaluation's episodes are recorded at step = its id: the page names the evaluation, its checkpoint and
-    # step, and the policy version of that checkpoint (the trainer's version on them is 0)
-    versions = {c["step"]: c["version"] for c in request.app.state.records.checkpoints(run_id)}
-    evaluations = {e["id"]: {"checkpoint": e["checkpoint"], "step": e["step"], "version": versions.get(e["step"])}
-                   for e in list_evals(request.app.state.records.engine, run_id)}
+    # step, and the policy version of that checkpoint (the trainer's version on them is 0): the checkpoint's own,
+    # else the version the run recorded at the step before (step N's policy is the one after N steps), 0 at step 0
+    records = request.app.state.records
+    versions = {c["step"]: c["version"] for c in records.checkpoints(run_id)}
+    evaluations = {}
+    with records.engine.connect() as c:
+        for e in list_evals(records.engine, run_id):
+            version = versions.get(e["step"])
+            if version is None and e["step"] is not None:
+                version = 0 if e["step"] == 0 else c.scalar(VERSION_BEFORE, {"run_id": run_id, "step": e["step"]})
+            evaluations[e["id"]] = {"checkpoint": e["checkpoint"], "step": e["step"],
+                                    "version": None if version is None else int(version)}
     return render(request, "samples.html", run=run, page={"run_id": run_id, "status": run["status"],
                                                           "evaluations": evaluations})
 
@@ -290,7 +307,7 @@ def run_panel(request: Request, run_id: int, panel: str):
         return render(request, "_records.html", run=run, attempts=records.attempts(run_id),
                       checkpoints=records.checkpoints(run_id), events=records.events(run_id)[-30:][::-1])
     if panel == "queue":
-        return render(request, "_queue.html", run=run, note=queue_note(request, run))
+        return render(request, "_queue.html", run=run, note=queue_note(request, run), polled=True)
     if panel == "log":
         return render(request, "_log.html", run=run, log=records.log_tail(run_id, max_bytes=16384), active=ACTIVE)
     raise HTTPException(404, f"no panel {panel}")
@@ -352,8 +369,9 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
     keys = sorted(set().union(*leaves)) if leaves else []
     rows = [(k, [lv.get(k, "—") for lv in leaves]) for k in keys]
     differing = [(k, vals) for k, vals in rows if len({json.dumps(v) for v in vals}) > 1]
-    groups = {r["id"]: (", ".join(sorted(r["tags"])) or "untagged" if group == "tag" else
-                        f"{group}={json.dumps(lv.get(group, '—'))}") for r, lv in zip(runs, leaves)} if group else {}
+    # a run's groups: each of its tags (a run tagged "spike, ux" is in both), else its value of the config key
+    groups = {r["id"]: (sorted(r["tags"]) or ["untagged"] if group == "tag" else
+                        [f"{group}={json.dumps(lv.get(group, '—'))}"]) for r, lv in zip(runs, leaves)} if group else {}
     summary, attempts, names = [], {}, set()
     with records.engine.connect() as c:
         for r in runs:
@@ -361,9 +379,7 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
             best_name = r["config"].get("eval", {}).get("best", "eval_reward")
             best = c.execute(BEST_EVAL, {"run_id": r["id"], "name": best_name}).first()
             attempts[r["id"]] = [[a["started_at"], a["ended_at"]] for a in records.attempts(r["id"])]
-            seconds = sum(((a_end or (time.time() if r["status"] == "running" else r["finished_at"] or a_start))
-                           - a_start) for a_start, a_end in attempts[r["id"]])
-            summary.append({"run": r, "best": best, "best_name": best_name, "seconds": seconds if attempts[r["id"]] else None})
+            summary.append({"run": r, "best": best, "best_name": best_name, "seconds": r["duration_s"]})
     return render(request, "compare.html", runs=runs, rows=rows if all else differing, all=all,
                   differing=len(differing), total=len(rows), ids=",".join(str(r["id"]) for r in runs),
                   summary=summary, group=group, group_keys=["tag"] + keys,
@@ -372,6 +388,9 @@ def compare_page(request: Request, ids: Annotated[list[str], Query()] = [], all:
                   recent=records.list_runs(limit=30, config=False))
 
 
+# the policy version a run recorded at its last step before `step` (a trainer step records the version after it)
+VERSION_BEFORE = (select(Metric.value).where(Metric.run_id == bindparam("run_id"), Metric.name == "version",
+                                             Metric.step < bindparam("step")).order_by(Metric.step.desc()).limit(1))
 # the best value of a run's eval.best metric, and its step (NaN is stored as NULL: skipped)
 BEST_EVAL = (select(Metric.value, Metric.step).where(Metric.run_id == bindparam("run_id"),
                                                      Metric.name == bindparam("name"), Metric.value.is_not(None))

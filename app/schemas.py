@@ -66,6 +66,9 @@ class RunOut(Out):
     started_at: float | None
     finished_at: float | None
     next_start_at: float | None
+    duration_s: float | None = Field(None, description="training time in seconds: its attempts' own time, not the "
+                                     "time queued or stopped between them (an external run: start to end); null "
+                                     "before it started. The runs list, the run page and compare show this one")
 
 
 class RunEnd(BaseModel):

@@ -121,7 +121,8 @@ def new_sweep_page(request: Request, run_id: Annotated[int | None, Query(ge=1)] 
     lr = config.get("algo", {}).get("lr", 3e-4)
     form = {"name": f"sweep-{run_id}" if run_id else "", "method": "grid", "metric": "eval_reward", "goal": "max",
             "runs": "", "seeds": "1", "config": json.dumps(config, indent=2),
-            "params": json.dumps({"algo.lr": {"values": [lr / 3, lr, lr * 3]}}, indent=2)}
+            # 3 significant digits: lr / 3 of 3e-4 is 1e-4, not 9.999999999999999e-05
+            "params": json.dumps({"algo.lr": {"values": [float(f"{v:.3g}") for v in (lr / 3, lr, lr * 3)]}}, indent=2)}
     return render(request, "sweep_new.html", form=form, error=None)
 
 

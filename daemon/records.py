@@ -7,7 +7,7 @@ from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import delete, func, select, text, update
+from sqlalchemy import case, delete, func, select, text, update
 from sqlmodel import Session
 
 from molt_engine.config import RunConfig
@@ -19,7 +19,7 @@ from .models import (ACTIVE, TERMINAL, Alert, Attempt, Checkpoint, Event, Metric
 from .sample_records import SampleRecords
 from .sweep_records import SweepRecords
 
-RUN_SORTS = ("created", "status", "env", "model", "steps", "duration", "best_eval")
+RUN_SORTS = ("created", "status", "env", "model", "steps", "reward", "duration", "best_eval")
 
 Tag = Annotated[str, Field(min_length=1, max_length=64, pattern=r"\S")]
 
@@ -88,7 +88,7 @@ class Records(SampleRecords, DaemonRecords, SweepRecords):
         keys = {"created": Run.id, "status": Run.status, "env": func.json_extract(Run.config, "$.env"),
                 "model": func.coalesce(func.json_extract(Run.config, "$.model.path"),
                                        func.json_extract(Run.config, "$.model.preset")),
-                "steps": Run.step, "duration": func.coalesce(Run.finished_at, now()) - Run.started_at,
+                "steps": Run.step, "reward": Run.reward, "duration": duration_sql(now()),
                 "best_eval": best_eval}
         if sort not in keys:
             raise ValueError(f"sort must be one of {', '.join(RUN_SORTS)}, not {sort!r}")
@@ -121,8 +121,12 @@ class Records(SampleRecords, DaemonRecords, SweepRecords):
             best = dict(s.execute(select(Metric.run_id, func.max(Metric.value)).where(
                 Metric.name == "eval_reward", Metric.run_id.in_([r["id"] for r in rows]))
                         .group_by(Metric.run_id)).all())
-            return [{**self._run_dict(s, dict(r), open_alerts.get(r["id"], 0)), "best_eval": best.get(r["id"])}
-                    for r in rows]
+            attempts: dict[int, list] = {}
+            for run_id, started, ended in s.execute(select(Attempt.run_id, Attempt.started_at, Attempt.ended_at).where(
+                    Attempt.run_id.in_([r["id"] for r in rows])).order_by(Attempt.number)):
+                attempts.setdefault(run_id, []).append((started, ended))
+            return [{**self._run_dict(s, dict(r), open_alerts.get(r["id"], 0), attempts.get(r["id"], [])),
+                     "best_eval": best.get(r["id"])} for r in rows]
 
     def run_envs(self) -> list[str]:
         """The envs of the recorded runs, for the runs list's filter."""
@@ -322,13 +326,39 @@ class Records(SampleRecords, DaemonRecords, SweepRecords):
             self._get(s, run_id)
             return [row_dict(r) for r in s.scalars(q)]
 
-    def _run_dict(self, s: Session, run: dict, open_alerts: int | None = None) -> dict:
-        """A run's row (`row_dict`) as the API shows it: its open alerts counted, its pid only while it is active, and
-        never its ingest token's hash (a hash, but of a credential)."""
+    def _run_dict(self, s: Session, run: dict, open_alerts: int | None = None,
+                  attempts: list[tuple] | None = None) -> dict:
+        """A run's row (`row_dict`) as the API shows it: its open alerts counted, its pid only while it is active, its
+        duration (training_seconds), and never its ingest token's hash (a hash, but of a credential)."""
         if open_alerts is None:
             open_alerts = s.scalar(select(func.count()).where(Alert.run_id == run["id"], ~Alert.acknowledged))
+        if attempts is None:
+            attempts = s.execute(select(Attempt.started_at, Attempt.ended_at).where(Attempt.run_id == run["id"])
+                                 .order_by(Attempt.number)).all()
         shown = {k: v for k, v in run.items() if k != "ingest_token"}
-        return {**shown, "alerts_open": open_alerts, "pid": run["pid"] if run["status"] in ACTIVE else None}
+        return {**shown, "alerts_open": open_alerts, "pid": run["pid"] if run["status"] in ACTIVE else None,
+                "duration_s": training_seconds(run, attempts, time.time())}
+
+
+def training_seconds(run: dict, attempts: list[tuple], now: float) -> float | None:
+    """A run's duration, the one every page and the API show: its attempts' own time, not the time it was queued or
+    stopped between them (an attempt still open counts up to now while the run is active, else up to the run's end).
+    A run with no attempt of its own (an external run): its start to its end (or now). None before it started.
+    duration_sql is the same rule for sorting; the run page's clock (run.js) counts it live."""
+    if attempts:
+        live = run["status"] in ACTIVE
+        return sum(max(0.0, (end if end is not None else now if live else run["finished_at"] or start) - start)
+                   for start, end in attempts)
+    return (run["finished_at"] or now) - run["started_at"] if run["started_at"] else None
+
+
+def duration_sql(now_):
+    """training_seconds in SQL, to sort the runs list by it."""
+    end = func.coalesce(Attempt.ended_at, case((Run.status.in_(ACTIVE), now_),
+                                               else_=func.coalesce(Run.finished_at, Attempt.started_at)))
+    attempts = (select(func.sum(func.max(0.0, end - Attempt.started_at))).where(Attempt.run_id == Run.id)
+                .scalar_subquery())
+    return func.coalesce(attempts, func.coalesce(Run.finished_at, now_) - Run.started_at)
 
 
 def extremes(values: np.ndarray, max_points: int | None) -> np.ndarray:

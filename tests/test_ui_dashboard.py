@@ -393,9 +393,10 @@ def test_on_a_phone_the_runs_table_keeps_progress_reward_and_best_eval_in_view(w
     assert page.locator("nav.top").bounding_box()["height"] < 80  # two lines at most
 
 
-def test_the_headers_step_is_the_reward_charts_last_x_live_and_after_a_reload(web, page):
+def test_the_chart_puts_a_step_where_it_is_recorded_live_and_after_a_reload(web, page):
     """The sink records a trainer step's metrics at its 0-based index and the run's step as the steps done: the header
-    says "step 3" after three steps and the reward curve ends at x = 3 (as W&B and TRL log a step's metrics)."""
+    says "step 3" after three steps (0, 1, 2) and the reward curve ends at x = 2, the step its record and any alert of
+    it name (docs/dashboard.md: one meaning of step)."""
     run = new_run(web, name="counted")
     set_run(web, run["id"], status="running", started_at=time.time())
     sink = sink_for(web, run["id"])
@@ -410,14 +411,14 @@ def test_the_headers_step_is_the_reward_charts_last_x_live_and_after_a_reload(we
     train(range(3))
     open_run(page, web, run["id"], 3, chart="reward_mean")
     expect(page.locator("#run-step")).to_have_text("3")
-    assert header_and_last_x() == ("3", 3)
+    assert header_and_last_x() == ("3", 2)
     train(range(3, 5))  # live: the websocket's metrics and status
     expect(page.locator("#chart-reward_mean")).to_have_attribute("data-points", "5", timeout=15_000)
     expect(page.locator("#run-step")).to_have_text("5", timeout=15_000)
-    assert header_and_last_x() == ("5", 5)
+    assert header_and_last_x() == ("5", 4)
     page.reload()
     expect(page.locator("#conn")).to_have_attribute("data-state", "live")
     expect(page.locator("#chart-reward_mean")).to_have_attribute("data-points", "5")
-    assert header_and_last_x() == ("5", 5)
+    assert header_and_last_x() == ("5", 4)
     sink.close()
     set_run(web, run["id"], status="completed")

@@ -65,11 +65,9 @@ Object.assign(Molt, (() => {
   const num = (v) => (typeof v === "number" ? v : Number(v));
 
   // One metric series, kept sorted by step; a step seen again (a replay after resume) replaces its value.
-  // A trainer step's metrics are recorded at its 0-based index (the engine's contract; the API and CSV keep it), an
-  // evaluation's and the system samples at the steps done. Charts put every point at the steps done, as the header
-  // counts them and as W&B and TRL log a step's metrics (the first step's at 1): "step 30/40" ends the curve at 30.
-  const atStepsDone = (name, s) => (/^eval_|\//.test(name) ? s : {...s, step: s.step.map((st) => st + 1)});
-
+  // Step N is one thing everywhere (records, API, charts, alerts, trackers; docs/dashboard.md): the policy after N
+  // optimizer steps. A trainer step's metrics are at its 0-based index (the policy it started from), an evaluation's
+  // and the system samples at the steps done; a drill's `spike_at: [30]` is step 30 in the chart, marker and alert.
   class Series {
     constructor() { this.step = []; this.value = []; this.time = []; }
     merge(s) {
@@ -132,8 +130,10 @@ Object.assign(Molt, (() => {
 
   // The y-range of a scale: every raw point (and band edge) of its shown lines inside the x window, not only the
   // smoothed line, so that a spike is on the chart; a flat series gets a range around its value (uPlot's default for
-  // an all-zero series is 0-100).
-  function fitRange(u, min, max, scale, extras, log) {
+  // an all-zero series is 0-100). A threshold (a dashed line) is not fitted: one far beyond the data would flatten it
+  // (a breaker.abs_max of 1e9 against a spike of 1,000); drawMarks shows it at the edge instead.
+  function fitRange(u, scale, extras, log) {
+    let min = null, max = null;
     const [i0, i1] = u.series[0].idxs?.length ? u.series[0].idxs : [0, u.data[0].length - 1];  // the x window
     u.series.forEach((s, si) => {
       if (si === 0 || !s.show || s.scale !== scale) return;
@@ -243,8 +243,8 @@ Object.assign(Molt, (() => {
         data.push(joined[1 + 4 * i]); this.raws.push(joined[2 + 4 * i]);
         this.bands.push(lines[i].band ? [joined[3 + 4 * i], joined[4 + 4 * i]] : null);
       }
-      const extras = this.raws.map((raw, i) => [raw, ...(this.bands[i] || [])]);
-      const range = (scale) => (u, min, max) => fitRange(u, min, max, scale, this.extras, log);
+      const extras = this.raws.map((raw, i) => (lines[i].dash ? [] : [raw, ...(this.bands[i] || [])]));
+      const range = (scale) => (u) => fitRange(u, scale, this.extras, log);
       const y2 = lines.some((l) => l.scale === "y2");
       // one point (a first eval) alone would sit in a degenerate x-range: the chart spans the run's steps instead
       const single = view.x === "step" && view.steps > 0 && lines.every((l) => l.series.step.length === 1);
@@ -263,7 +263,8 @@ Object.assign(Molt, (() => {
         width, height: 220, series,
         scales: {x: {time: view.x === "time", ...(single ? {range: () => [0, view.steps]} : {})},
                  y: {distr, range: range("y")}, ...(y2 ? {y2: {distr, range: range("y2")}} : {})},
-        axes: [{...axis, size: 50, values: view.x === "time" ? undefined : tickLabels, label: X_TITLES[view.x]},
+        axes: [{...axis, size: 50, values: view.x === "time" ? undefined : tickLabels, label: X_TITLES[view.x],
+                ...(view.x === "step" ? {incrs: STEP_INCRS} : {})},  // whole steps, also on a run of 4 steps
                {...axis, label: fitTitle(this.yTitle)},
                ...(y2 ? [{...axis, scale: "y2", side: 1, grid: {show: false}, label: fitTitle(this.y2Title)}] : [])],
         legend: {live: true},
@@ -305,9 +306,12 @@ Object.assign(Molt, (() => {
         });
         ctx.stroke();
       });
+      const left = u.bbox.left, right = u.bbox.left + u.bbox.width;
       for (const m of this.markers || []) {
-        const x = u.valToPos(m.x, "x", true);
-        if (!Number.isFinite(x)) continue;
+        let x = u.valToPos(m.x, "x", true);
+        if (!Number.isFinite(x) || x < left - px || x > right + px) continue;
+        // a marker on the last step sits on the plot's edge: moved inside by its triangle's half width, not cut
+        x = Math.min(Math.max(x, left + (m.trip ? 6 : 1) * px), right - (m.trip ? 6 : 1) * px);
         ctx.strokeStyle = m.color; ctx.fillStyle = m.color;
         // a trip: a solid line with a triangle on top; NaN/inf: dashed (the threshold is a dashed *horizontal* line)
         ctx.lineWidth = (m.trip ? 2 : 1.5) * px;
@@ -318,6 +322,26 @@ Object.assign(Molt, (() => {
           ctx.closePath(); ctx.fill();
         }
       }
+      // a threshold beyond the data's range: an arrow and its value at that edge (the range is fitted to the data)
+      const edges = [];
+      u.series.forEach((s, si) => {
+        if (si === 0 || !s.show || !s.dash) return;
+        const values = this.raws[si - 1].filter((v) => v != null);
+        const {min, max} = u.scales[s.scale];
+        if (values.length && values.every((v) => v > max)) edges.push({above: true, label: `${s.label} ${tickLabels(u, [values[values.length - 1]])[0]}`});
+        else if (values.length && values.every((v) => v < min)) edges.push({above: false, label: `${s.label} ${tickLabels(u, [values[values.length - 1]])[0]}`});
+      });
+      for (const h of this.hlines || []) {
+        const {min, max} = u.scales.y;
+        if (h.y > max || h.y < min) edges.push({above: h.y > max, label: h.label});
+      }
+      this.root.dataset.edges = edges.map((e) => `${e.above ? "above" : "below"}: ${e.label}`).join("; ");
+      for (const e of edges) {
+        ctx.fillStyle = getComputedStyle(this.root).color; ctx.font = `${11 * px}px sans-serif`;
+        ctx.textAlign = "right"; ctx.textBaseline = e.above ? "top" : "bottom";
+        ctx.fillText(`${e.above ? "▲" : "▼"} ${e.label} (off the chart)`, right - 4 * px, e.above ? top + 2 * px : bottom - 2 * px);
+      }
+      ctx.textAlign = "left"; ctx.textBaseline = "alphabetic";
       for (const h of this.hlines || []) {
         const y = u.valToPos(h.y, "y", true);
         if (!Number.isFinite(y) || y < top || y > bottom) continue;
@@ -334,14 +358,13 @@ Object.assign(Molt, (() => {
     }
   }
 
-  // uPlot's default labels round tiny values (a KL of 2e-5) to "0": use exponents at the extremes
+  // uPlot's default labels round tiny values (a KL of 2e-5) to "0": exponents at the extremes, and then on every label
+  // of the axis (a log axis read "1.0e+9" beside "10000")
   function tickLabels(u, splits) {
-    return splits.map((v) => {
-      if (v == null) return "";
-      const a = Math.abs(v);
-      return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(1) : String(+v.toPrecision(4));
-    });
+    const exp = splits.some((v) => v != null && v !== 0 && (Math.abs(v) < 1e-3 || Math.abs(v) >= 1e5));
+    return splits.map((v) => (v == null ? "" : exp && v !== 0 ? (+v.toPrecision(4)).toExponential() : String(+v.toPrecision(4))));
   }
+  const STEP_INCRS = [1, 2, 5].flatMap((m) => Array.from({length: 10}, (_, e) => m * 10 ** e)).sort((a, b) => a - b);
 
-  return {COLORS, SECTIONS, JOINS, ONLY_NONZERO, X_TITLES, axisTitle, chartSpec, activeClock, atStepsDone, Series, ema, bindView, fmt, Chart};
+  return {COLORS, SECTIONS, JOINS, ONLY_NONZERO, X_TITLES, axisTitle, chartSpec, activeClock, Series, ema, bindView, fmt, Chart};
 })());

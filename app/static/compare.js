@@ -1,7 +1,7 @@
 // The compare page: chosen metrics of several runs overlaid (or grouped: mean with a min/max band), a summary table.
 "use strict";
 Object.assign(Molt, (() => {
-  const {COLORS, SECTIONS, axisTitle, activeClock, atStepsDone, Series, bindView, Chart} = Molt;
+  const {COLORS, SECTIONS, axisTitle, activeClock, Series, bindView, Chart} = Molt;
   // shown until the user picks others (kept in the URL's `metrics`)
   const DEFAULT_METRICS = ["reward_mean", "eval_reward", "policy_loss", "grad_norm", "entropy", "response_length",
                            "staleness_mean", "mismatch_kl", "is_filter_ratio", "samples_per_s"];
@@ -35,6 +35,14 @@ Object.assign(Molt, (() => {
     const params = new URLSearchParams(location.search);
     const chosen = params.get("metrics") ? params.get("metrics").split(",").filter((n) => page.metrics.includes(n))
       : DEFAULT_METRICS.filter((n) => page.metrics.includes(n));
+    let defaults = !params.get("metrics");  // until loaded: a default that is constant in every run is dropped
+    // "show" (other runs, another grouping) keeps the chosen metrics and the view: they ride along in the form
+    const form = document.getElementById("compare-form");
+    form.addEventListener("formdata", (e) => {
+      const now = new URLSearchParams(location.search);
+      for (const key of ["metrics", "x", "smooth", "log"]) if (now.has(key)) e.formData.set(key, now.get(key));
+      if (!now.has("metrics") && chosen.length) e.formData.set("metrics", chosen.join(","));
+    });
     const charts = {};  // name -> Chart, in the order chosen
     const view = bindView(() => { Object.values(charts).forEach((chart) => chart.shape = "?"); draw(); });
     const state = window.__molt = {charts};
@@ -78,8 +86,10 @@ Object.assign(Molt, (() => {
         charts[name] ||= new Chart(container, name, name, {yTitle: axisTitle(name), sync: "compare"});
         container.appendChild(charts[name].root);  // in the order chosen
       }
-      const groups = {};  // label -> run ids
-      for (const id of page.run_ids) (groups[page.groups[id] ?? `#${id} ${page.names[id]}`] ||= []).push(id);
+      const groups = {};  // label -> run ids; a run with several tags is in each tag's group
+      for (const id of page.run_ids) {
+        for (const label of page.groups[id] ?? [`#${id} ${page.names[id]}`]) (groups[label] ||= []).push(id);
+      }
       for (const name of chosen) {
         const lines = Object.entries(groups).map(([label, members], i) => {
           const color = COLORS[i % COLORS.length];
@@ -104,8 +114,22 @@ Object.assign(Molt, (() => {
         if (!r.ok) return;
         const body = await r.json();
         page.stores[id] = {};
-        for (const [name, s] of Object.entries(body.series)) (page.stores[id][name] = new Series()).merge(atStepsDone(name, s));
+        for (const [name, s] of Object.entries(body.series)) (page.stores[id][name] = new Series()).merge(s);
       }));
+      if (defaults) {  // as the run page folds them: a default metric with one value in every run is not charted
+        defaults = false;
+        const flat = chosen.filter((name) => {
+          const all = page.run_ids.map((id) => page.stores[id]?.[name]).filter((s) => s && s.step.length);
+          return all.length && all.every((s) => s.step.length >= 3 && s.value.every((v) => Object.is(v, all[0].value[0])));
+        });
+        for (const name of flat) {
+          chosen.splice(chosen.indexOf(name), 1);
+          picker.querySelector(`input[value="${CSS.escape(name)}"]`).checked = false;
+        }
+        state.constant = flat;
+        document.getElementById("constant-note").textContent = flat.length
+          ? `(not charted, one value in every run: ${flat.join(", ")})` : "";
+      }
       state.loads = (state.loads || 0) + 1;
       draw();
     }

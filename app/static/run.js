@@ -1,7 +1,7 @@
 // The run page: a live chart per recorded metric (over the run's websocket) in collapsible sections, the overview strip.
 "use strict";
 Object.assign(Molt, (() => {
-  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, atStepsDone, Series, bindView, fmt, Chart, activeClock,
+  const {COLORS, SECTIONS, JOINS, ONLY_NONZERO, chartSpec, Series, bindView, fmt, Chart, activeClock,
          duration, throttled, toast} = Molt;
   // ---- the run page ----------------------------------------------------------------------------------------------
   function runPage(page) {
@@ -158,10 +158,11 @@ Object.assign(Molt, (() => {
       state.overviews = (state.overviews || 0) + 1;
       const elapsed = document.getElementById("ov-elapsed"), eta = document.getElementById("ov-eta");
       if (!elapsed) return;
-      const running = page.status === "running";
+      // the duration every page and the API show (daemon/records.py, training_seconds), counted live
+      const live = ["running", "restarting", "stopping", "unreachable"].includes(page.status), running = page.status === "running";
       const now = Date.now() / 1000;  // a run with no attempt of its own (reported from elsewhere): start to end
       const secs = page.attempts.length ? page.attempts.reduce((sum, [start, end]) =>
-        sum + Math.max(0, (end ?? (running ? now : page.finished_at ?? start)) - start), 0)
+        sum + Math.max(0, (end ?? (live ? now : page.finished_at ?? start)) - start), 0)
         : page.started_at ? (page.finished_at ?? now) - page.started_at : null;
       elapsed.textContent = secs == null ? "—" : duration(secs);
       const step = Number(document.getElementById("run-step").textContent), total = page.total_steps;
@@ -190,7 +191,8 @@ Object.assign(Molt, (() => {
       el("run-alerts").textContent = run.alerts_open; el("run-alerts").className = run.alerts_open ? "badge" : "";
       el("run-error").hidden = !run.last_error; el("run-error").textContent = run.last_error || "";
       page.started_at = run.started_at; page.finished_at = run.finished_at; page.status = run.status;
-      if (JSON.stringify(run.attempts) !== JSON.stringify(page.attempts)) {
+      // a status without attempts (an older server's backfill) keeps what the page has
+      if (run.attempts && JSON.stringify(run.attempts) !== JSON.stringify(page.attempts)) {
         page.attempts = run.attempts; view.elapsed = clock(); render();
       }
       if (el("ov-pid")) el("ov-pid").textContent = run.pid ?? "—";
@@ -205,7 +207,7 @@ Object.assign(Molt, (() => {
       if (msg.type === "status") showRun(msg.run);
       else if (msg.type === "metrics") {
         for (const [name, s] of Object.entries(msg.series)) {
-          (store[name] ||= new Series()).merge(atStepsDone(name, s));
+          (store[name] ||= new Series()).merge(s);
           lastStep = Math.max(lastStep, s.step.length ? s.step[s.step.length - 1] : -1);  // as recorded (after_step)
         }
         render();

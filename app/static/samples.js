@@ -292,13 +292,22 @@ const MoltSamples = (() => {
       const response = await fetch(`${base}/samples/steps`);
       if (!response.ok) return;
       const select = form.elements.step, wanted = params.get("step");
-      const steps = [...new Set((await response.json()).map((s) => s.step))].reverse();  // newest first
+      const rows = await response.json(), kinds = {};
+      rows.forEach((s) => (kinds[s.step] ||= new Set()).add(s.kind));
+      // an evaluation's episodes are at step = its id: the option names the evaluation and the step it is from
+      const label = (step) => {
+        if (!kinds[step]?.has("evaluation")) return String(step);
+        const e = page.evaluations?.[step];
+        const name = `evaluation #${step}${e?.step != null ? ` (of step ${e.step})` : ""}`;
+        return kinds[step].size > 1 ? `${step} · ${name}` : name;
+      };
+      const steps = [...new Set(rows.map((s) => s.step))].reverse();  // newest first
       recorded = steps.length > 0;
       if (wanted != null && !steps.includes(Number(wanted))) steps.unshift(wanted);  // an address keeps its step
       const first = select.options.length === 1, known = new Set([...select.options].map((o) => o.value));
       const added = steps.filter((step) => !known.has(String(step)));
       // newest first, after "all": a poll's new steps go above those already listed
-      select.options[0].after(...added.map((step) => el("option", {value: String(step)}, String(step))));
+      select.options[0].after(...added.map((step) => el("option", {value: String(step)}, label(step))));
       if (wanted != null && first) select.value = wanted;
       return added.length;
     }
