@@ -93,7 +93,7 @@ class Sampler:
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
-        self.awaited: dict[int, Request] = {}  # id -> the requests whose callers await them (generate): a failed step fails them
+        self.awaited: dict[int, Request] = {}  # id -> a request its caller awaits (generate): a failed step fails it
         self.active: list[Request] = []    # in generation, each on a row of the cache
         self.cache = None                  # RoomyLayers, one row per distinct sequence of the active requests, left-padded
         self.mask = None                   # [rows, T] attention mask of the cache
@@ -135,7 +135,7 @@ class Sampler:
                 continue
             try:
                 finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.step)
-            except Exception as error:  # its requests (joining ones too) would wait forever: they fail with it, as the run
+            except Exception as error:  # its requests (joining ones too) would wait forever: they fail with it
                 for req in self.awaited.values():
                     if not req.future.done():
                         req.future.set_exception(error)
@@ -192,7 +192,8 @@ class Sampler:
         if park:
             rows = torch.tensor([r.row for r in park], device=self.device)
             kv = torch.stack([x[rows] for layer in self.cache.layers for x in (layer.keys, layer.values)], 1)
-            for r, mask, keys_values in zip(park, self.mask[rows], kv):  # the row's span: its end less what it never ran
+            for r, mask, keys_values in zip(park, self.mask[rows], kv):
+                # the columns its row spans: its end less the tokens it did not sample and the last one (not run)
                 span = r.end - r.max_tokens + len(r.ids) - 1
                 self.parked.setdefault(tuple(r.context + r.ids[:-1]), (mask, keys_values, span))
         self._regroup([r for r, d in zip(self.active, done) if not d])
@@ -207,7 +208,8 @@ class Sampler:
         pending = [r for r in self.pending if not r.cancelled]
         if self.kv_tokens is None and self.static is None:
             return pending, []
-        longest, new, parked = max((r.end for r in self.active), default=0), 0, None  # parked: largest span + max_tokens
+        # parked: the largest span + max_tokens of the joining requests that start from a parked row
+        longest, new, parked = max((r.end for r in self.active), default=0), 0, None
         for i, req in enumerate(pending):
             found = self._parked(req)
             new = max(new, len(req.context) - (found[0] if found else 0))  # the prefill's width past the parked columns
