@@ -130,7 +130,8 @@ def assert_same_decoding(model, cuda_graphs):
     for name, (ids, logprobs, versions) in eager.items():
         assert static[name][0] == ids and static[name][2] == versions, name
         # Equal to rounding: the static step attends over the whole buffer (the mask hides the rest), the eager one
-        # over the written positions only, so the softmax sums run in another order.
+        # over the written positions only, so the softmax sums run in another order (the bound docs/inference.md
+        # states, as tests/test_static_decode.py does).
         assert static[name][1] == pytest.approx(logprobs, abs=1e-5), name
     # what the scenario must have exercised
     assert 0 in eager["greedy"][2] and 1 in eager["greedy"][2]  # a swap in the middle of its decoding

@@ -1,6 +1,7 @@
 """The sampler: KV-cache decoding batched across all episodes (a row per distinct sequence), stamping logprob and version;
 its decode steps eager, or on static buffers as CUDA graphs (static.py)."""
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -34,12 +35,14 @@ class RoomyLayer(DynamicLayer):
 
 def decoding(model, cuda_graphs: bool | str) -> str:
     """Which path decodes (loop.cuda_graphs): "CUDA graphs" for a dense text model on CUDA, "static shapes" (the same
-    step without capture) when `cuda_graphs` is "uncaptured" (the CPU tests), else "eager": the CPU, MoE and VLM
-    policies."""
-    if not cuda_graphs or routers(model) or model.config.get_text_config() is not model.config:
+    step without capture) when `cuda_graphs` is "uncaptured" or the environment has MOLT_STATIC_DECODE=1 (CI's second
+    pass of the rollout tests, so that the CPU runs the graphs' step), else "eager": the CPU, MoE and VLM policies."""
+    if routers(model) or model.config.get_text_config() is not model.config:
         return "eager"
-    if cuda_graphs == "uncaptured":
+    if cuda_graphs == "uncaptured" or os.environ.get("MOLT_STATIC_DECODE") == "1":
         return "static shapes"
+    if not cuda_graphs:
+        return "eager"
     return "CUDA graphs" if next(model.parameters()).device.type == "cuda" else "eager"
 
 
@@ -59,6 +62,9 @@ class Request:
     top: int = 0                  # alternatives to record per generated token (an agent's top_logprobs)
     top_logprobs: list = field(default_factory=list)  # per generated token: the `top` most likely (id, log-prob)
     row: int = -1                 # its row of the sampler's KV cache, shared by requests whose tokens are all equal
+    # The columns its row spans (first used one to the last) once max_tokens are sampled, padding in the middle of a
+    # parked row included: the cache's width never passes the largest `end` of its rows (see Sampler._admit).
+    end: int = 0
 
     @property
     def cancelled(self) -> bool:
@@ -90,13 +96,15 @@ class Sampler:
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
+        self.awaited: dict[int, Request] = {}  # id -> a request its caller awaits (generate): a failed step fails it
         self.active: list[Request] = []    # in generation, each on a row of the cache
         self.cache = None                  # RoomyLayers, one row per distinct sequence of the active requests, left-padded
         self.mask = None                   # [rows, T] attention mask of the cache
         self.last = None                   # [rows] each row's last sampled token: the next decode step's input
         self.new_weights = None            # (state_dict, version) published by the trainer
         # Finished requests' keys/values, by the tokens they hold (context + ids[:-1]), kept for the episode's next turn
-        # to start from: {tokens: (mask row, [2 x layers, heads, tokens, head_dim]: each layer's keys, then values)}.
+        # to start from: {tokens: (mask row, [2 x layers, heads, tokens, head_dim]: each layer's keys, then values,
+        # the columns the row spans)}.
         # Only this version's: a swap empties it.
         self.parked: dict[tuple, tuple] = {}
         self.wake = asyncio.Event()
@@ -112,8 +120,12 @@ class Sampler:
         req = Request(list(context), max_tokens, greedy, seed, list(images), top=top)
         req.future = asyncio.get_running_loop().create_future()
         self.pending.append(req)
+        self.awaited[id(req)] = req
         self.wake.set()
-        return await req.future
+        try:
+            return await req.future
+        finally:
+            del self.awaited[id(req)]
 
     async def run(self):
         """The sampler coroutine: heavy work goes to a thread so envs and the trainer keep running."""
@@ -124,7 +136,13 @@ class Sampler:
                 await self.wake.wait()
                 self.stats["idle_s"] += time.perf_counter() - t0
                 continue
-            finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.step)
+            try:
+                finished = await asyncio.get_running_loop().run_in_executor(self.executor, self.step)
+            except Exception as error:  # its requests (joining ones too) would wait forever: they fail with it
+                for req in self.awaited.values():
+                    if not req.future.done():
+                        req.future.set_exception(error)
+                raise
             self.stats["busy_s"] += time.perf_counter() - t0
             for req in finished:
                 if not req.future.done():  # its episode may have been cancelled
@@ -158,6 +176,8 @@ class Sampler:
                 self.cache, mask, _, _, row = self._prefill(owners, [r.context + r.ids[:-1] for r in owners])
                 self.cache.batch_select_indices(row)
                 self.mask = mask[row]
+                for r in self.active:  # their rows now hold no padding in the middle
+                    r.end = len(r.context) + r.max_tokens
         # While rows decode, requests join at every 4th step only: a join (its prefill, and the merge into the cache)
         # costs about two decode steps whatever its size, so fewer, larger joins leave more of the sampler to decoding.
         # While a swap waits they do not join at all: the cache then empties sooner, and they join the new version.
@@ -165,8 +185,7 @@ class Sampler:
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             if self.static:
-                longest = max(len(r.context) + r.max_tokens for r in self.active)
-                logits = self.static.decode(self.cache, self.mask, self.last, longest)
+                logits = self.static.decode(self.cache, self.mask, self.last, max(r.end for r in self.active))
             else:
                 out = self.model(input_ids=self.last[:, None], attention_mask=self.mask,
                                  position_ids=self.mask.sum(1, keepdim=True) - 1, cache=self.cache, use_cache=True)
@@ -185,21 +204,31 @@ class Sampler:
             rows = torch.tensor([r.row for r in park], device=self.device)
             kv = torch.stack([x[rows] for layer in self.cache.layers for x in (layer.keys, layer.values)], 1)
             for r, mask, keys_values in zip(park, self.mask[rows], kv):
-                self.parked.setdefault(tuple(r.context + r.ids[:-1]), (mask, keys_values))
+                # the columns its row spans: its end less the tokens it did not sample and the last one (not run)
+                span = r.end - r.max_tokens + len(r.ids) - 1
+                self.parked.setdefault(tuple(r.context + r.ids[:-1]), (mask, keys_values, span))
         self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished
 
     def _admit(self) -> tuple[list[Request], list[Request]]:
-        """The pending requests that join now and those that wait, in submission order: the cache is rows x the
-        longest row, so with every request counted at its longest (context + max_tokens) the joined ones never grow
-        it past the KV budget (static buffers: no more rows than they hold at that length). One request always runs, so
-        a request larger than the budget still finishes."""
+        """The pending requests that join now and those that wait, in submission order: the cache is rows x its width,
+        so with every row counted at the width it reaches (its `end`: context + max_tokens; a turn that starts from a
+        parked row also counts the padding that the longest prompt joining beside it puts in the row's middle) the
+        joined ones never grow it past the KV budget (static buffers: no more rows than they hold at that width). One
+        request always runs, so a request larger than the budget still finishes."""
         pending = [r for r in self.pending if not r.cancelled]
         if self.kv_tokens is None and self.static is None:
             return pending, []
-        longest = max((len(r.context) + r.max_tokens for r in self.active), default=0)
+        # parked: the largest span + max_tokens of the joining requests that start from a parked row
+        longest, new, parked = max((r.end for r in self.active), default=0), 0, None
         for i, req in enumerate(pending):
-            longest = max(longest, len(req.context) + req.max_tokens)
+            found = self._parked(req)
+            new = max(new, len(req.context) - (found[0] if found else 0))  # the prefill's width past the parked columns
+            if found:
+                parked = max(parked or 0, found[3] + req.max_tokens)
+            else:
+                longest = max(longest, len(req.context) + req.max_tokens)
+            longest = max(longest, parked + new if parked else 0)
             rows = len(self.active) + i + 1
             if rows > 1 and (rows > self.static.rows(longest) if self.static else rows * longest > self.kv_tokens):
                 return pending[:i], pending[i:]
@@ -277,16 +306,25 @@ class Sampler:
                          position_ids=(mask.cumsum(1) - 1).clamp(min=0)[:, kept:], **pixels)
         return out.cache, mask, out.logits[:, -1], self._last_routes(len(owners)), row
 
+    def _parked(self, req: Request) -> tuple | None:
+        """(n, mask row, keys/values, span) of the longest parked sequence that `req`'s context starts with (its
+        episode's previous turn), if any."""
+        if req.images:
+            return None
+        lengths = sorted({len(key) for key in self.parked}, reverse=True)
+        return next(((n, *self.parked[key]) for n in lengths if n < len(req.context) and
+                     (key := tuple(req.context[:n])) in self.parked), None)
+
     def _join(self, reqs: list[Request]):
         """Prefill the new requests, sample their first token, append their rows to the running cache. A request
         whose context starts with a parked sequence (its episode's previous turn) starts from that sequence's keys and
         values, the longest such one, and prefills only the rest."""
-        lengths = sorted({len(key) for key in self.parked}, reverse=True)
-        parked = [None if r.images else next(((n, *self.parked[key]) for n in lengths if n < len(r.context) and
-                                              (key := tuple(r.context[:n])) in self.parked), None) for r in reqs]
+        parked = [self._parked(r) for r in reqs]
         cache, mask, logits, routes, row = self._prefill(reqs, [r.context for r in reqs], parked)
-        for req, i in zip(reqs, row.tolist()):
-            req.row = i
+        new = max(len(r.context) - (p[0] if p else 0) for r, p in zip(reqs, parked))
+        for req, p, i in zip(reqs, parked, row.tolist()):
+            # a parked row: its parked columns, then padding up to the longest prompt beside it, then its new tokens
+            req.row, req.end = i, (p[3] + new if p else len(req.context)) + req.max_tokens
         self._sample(reqs, logits, routes)
         if not self.active:
             self.active, self.cache, self.mask = reqs, cache, mask

@@ -76,7 +76,8 @@ class SamplerProcess:
             self.waiting.pop(key, None)
 
     async def run(self):
-        """Hand the child's answers to their callers until cancelled; its error fails the run."""
+        """Hand the child's answers to their callers until cancelled; its error fails the run, and every request
+        still waiting with it (at once: none waits for an answer that cannot come)."""
         try:
             while True:
                 try:
@@ -92,6 +93,11 @@ class SamplerProcess:
                         for name, value in zip(RESULTS, answer):
                             setattr(req, name, value)
                         future.set_result(req)
+        except RuntimeError as error:
+            for _, future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(error)
+            raise
         finally:  # whatever ends the run (its cancellation, the child's error) stays what propagates
             if self.process.is_alive():  # the child answers "stop" as it leaves, which ends a read still waiting
                 with contextlib.suppress(RuntimeError):

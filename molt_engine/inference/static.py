@@ -19,7 +19,7 @@ def bucket(rows: int) -> int:
 
 
 def positions(longest: int) -> int:
-    """Positions per row for sequences of at most `longest` tokens: a power of two (at least 64), so that a longer
+    """Positions per row for a cache of at most `longest` columns: a power of two (at least 64), so that a longer
     request reallocates (and recaptures) seldom."""
     return max(64, 1 << (longest - 1).bit_length())
 
@@ -66,17 +66,19 @@ class StaticDecode:
         self.graphs, self.pool = {}, None  # bucket -> (graph, its logits)
 
     def rows(self, longest: int) -> int:
-        """Rows the buffers hold when the longest request has `longest` tokens (context and max_tokens): what the
-        sampler admits. At least one, so that a request larger than the budget still runs."""
+        """Rows the buffers hold when the cache reaches `longest` columns (the largest Request.end): what the sampler
+        admits. At least one, so that a request larger than the budget still runs."""
         if self.kv_tokens is None:
             self.kv_tokens = free_tokens(self.param.device, self.token_bytes)
         return max(1, min(BUCKETS[-1], self.kv_tokens // positions(longest)))
 
-    def allocate(self, longest: int):
-        """Buffers for requests of up to `longest` tokens; the graphs of the old ones go. The Sampler's cache still
-        holds the old buffers' views: the next step copies its rows in."""
+    def allocate(self, longest: int, rows: int):
+        """Buffers for a cache of up to `longest` columns and `rows` rows; the graphs of the old ones go. Captured:
+        as many rows as the budget holds there, so that more rows never recapture; uncaptured (the CPU): the bucket of
+        `rows`, as nothing is captured (the budget's rows would be gigabytes of zeros for a CPU test). The Sampler's
+        cache still holds the old buffers' views: the next step copies its rows in."""
         self.length = positions(longest)
-        rows, p = self.rows(longest), self.param
+        rows, p = self.rows(longest) if self.capture else bucket(rows), self.param
         shape = (rows, self.heads, self.length, self.head_dim)
         self.column = torch.zeros(1, dtype=torch.long, device=p.device)
         self.cache = Cache(layers=[StaticLayer(p.new_zeros(shape), p.new_zeros(shape), self.column)
@@ -88,11 +90,12 @@ class StaticDecode:
 
     def decode(self, cache: Cache, mask: torch.Tensor, last: torch.Tensor, longest: int) -> torch.Tensor:
         """One decode step: `cache` (the Sampler's: rows x T positions, left-padded), `mask` [rows, T + 1] with the new
-        position, `last` [rows] the tokens to run; `longest`: the active requests' longest (context + max_tokens).
+        position, `last` [rows] the tokens to run; `longest`: the columns the cache reaches before the active
+        requests end (their largest Request.end: context + max_tokens, and the padding in the middle of a parked row).
         Returns the logits [rows, vocab]; `cache` then holds views of the buffers, T + 1 positions."""
         rows, width = mask.shape
         if longest > self.length or rows > len(self.ids):
-            self.allocate(longest)
+            self.allocate(longest, rows)
         size = bucket(rows)
         for layer, static in zip(cache.layers, self.cache.layers):
             keys, values = static.buffers
