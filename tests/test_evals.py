@@ -517,21 +517,29 @@ def test_deleting_a_run_ends_its_evaluations_workers_and_removes_their_files(pol
         assert s.scalars(select(Sample.id).where(Sample.run_id == run_id)).all() == []
 
 
-def test_the_migration_gives_earlier_evaluations_their_samples(tmp_path):
+def migrated_from(tmp_path, revision: str, *statements: str):
+    """A database made at an earlier `revision`, with `statements` run in it, then brought up to date."""
     from alembic import command
 
     from daemon.db import alembic_config, sqlite_engine, upgrade
     engine = sqlite_engine(f"sqlite:///{tmp_path / 'molt.db'}")
     with engine.begin() as conn:
-        command.upgrade(alembic_config(conn), "0008_external_runs")  # samples recorded before they had eval_id
-        conn.exec_driver_sql("INSERT INTO run (id, name, status, config, tags, step, total_steps, version, restarts, "
-                             "retries, max_restarts, created_at) VALUES (1, 'r', 'completed', '{}', '[]', 0, 0, 0, 0, "
-                             "0, 3, 0)")
-        conn.exec_driver_sql("INSERT INTO sample (run_id, step, kind, position, group_id, seed, version, success, "
-                             "turns, tool_calls, tool_errors, prompt, text, tokens, images, time) VALUES "
-                             "(1, 7, 'evaluation', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0), "
-                             "(1, 7, 'train', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0)")
+        command.upgrade(alembic_config(conn), revision)
+        for statement in statements:
+            conn.exec_driver_sql(statement)
     upgrade(engine, tmp_path)
+    return engine
+
+
+def test_the_migration_gives_earlier_evaluations_their_samples(tmp_path):
+    engine = migrated_from(  # samples recorded before they had eval_id
+        tmp_path, "0008_external_runs",
+        "INSERT INTO run (id, name, status, config, tags, step, total_steps, version, restarts, retries, max_restarts, "
+        "created_at) VALUES (1, 'r', 'completed', '{}', '[]', 0, 0, 0, 0, 0, 3, 0)",
+        "INSERT INTO sample (run_id, step, kind, position, group_id, seed, version, success, turns, tool_calls, "
+        "tool_errors, prompt, text, tokens, images, time) VALUES "
+        "(1, 7, 'evaluation', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0), "
+        "(1, 7, 'train', 0, 0, 0, 0, 1, 1, 0, 0, '', '', '{}', '[]', 0)")
     with engine.connect() as conn:
         assert sorted(conn.exec_driver_sql("SELECT kind, eval_id FROM sample")) == [("evaluation", 7), ("train", None)]
 
@@ -578,16 +586,10 @@ def test_an_evaluations_results_cost_linear_writes_and_read_back_as_its_samples(
 
 
 def test_the_migration_moves_earlier_results_to_their_rows(tmp_path):
-    from alembic import command
-
-    from daemon.db import alembic_config, sqlite_engine, upgrade
-    engine = sqlite_engine(f"sqlite:///{tmp_path / 'molt.db'}")
-    with engine.begin() as conn:
-        command.upgrade(alembic_config(conn), "0011_sweeps")  # results as one JSON per evaluation
-        conn.exec_driver_sql("INSERT INTO evaluation (id, config, status, results, restarts, max_restarts, "
-                             "created_at) VALUES (3, '{}', 'running', '{\"0\": [1.0, true, {\"len\": 2}, null], "
-                             "\"1\": [0.0, false, {}, \"ValueError: x\"]}', 0, 3, 0)")
-    upgrade(engine, tmp_path)
+    engine = migrated_from(  # results as one JSON per evaluation
+        tmp_path, "0011_sweeps",
+        "INSERT INTO evaluation (id, config, status, results, restarts, max_restarts, created_at) VALUES (3, '{}', "
+        "'running', '{\"0\": [1.0, true, {\"len\": 2}, null], \"1\": [0.0, false, {}, \"ValueError: x\"]}', 0, 3, 0)")
     with engine.connect() as conn:
         rows = conn.exec_driver_sql("SELECT position, reward, success, metrics, error FROM eval_result "
                                     "WHERE eval_id = 3 ORDER BY position").all()
