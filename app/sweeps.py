@@ -99,7 +99,7 @@ def delete_sweep(request: Request, sweep_id: SweepId):
 # ---- the page -------------------------------------------------------------------------------------------------------
 
 pages = APIRouter(include_in_schema=False)
-SORTS = ("score", "status", "seed", "id")   # and any of the sweep's params
+SORTS = ("point_score", "score", "status", "seed", "id")   # and any of the sweep's params
 
 
 @pages.get("/sweeps")
@@ -159,7 +159,10 @@ def start_from_form(request: Request, name: Annotated[str, Form()] = "", method:
 
 @pages.get("/sweeps/{sweep_id}")
 @guarded
-def sweep_page(request: Request, sweep_id: int, sort: Annotated[str, Query()] = "score", desc: bool = False):
+def sweep_page(request: Request, sweep_id: int, sort: Annotated[str, Query()] = "point_score",
+               desc: bool | None = None):
+    """The sweep's runs sorted by a column (`desc` descending; by default best first for the scores, else ascending),
+    unscored runs last either way. While the sweep runs, the page polls itself (htmx) and swaps its live part."""
     try:
         sweep = request.app.state.records.get_sweep(sweep_id)
     except SweepNotFound:
@@ -167,14 +170,16 @@ def sweep_page(request: Request, sweep_id: int, sort: Annotated[str, Query()] = 
     keys = list(sweep["request"]["params"])
     if sort not in SORTS + tuple(keys):
         raise HTTPException(400, f"sort must be one of {', '.join(SORTS + tuple(keys))}, not {sort!r}")
-    runs = sweep["runs"]  # best point first already: the default order
-    if sort != "score":
-        value = (lambda r: r["params"][sort]) if sort in keys else (lambda r: r[sort])
-        runs = sorted(runs, key=lambda r: (value(r) is None, str(value(r)) if not _numeric(value(r)) else value(r)),
-                      reverse=desc)
-    elif desc:
-        runs = runs[::-1]
+    if desc is None:
+        desc = sort in ("score", "point_score") and sweep["goal"] == "max"
+    value = (lambda r: r["params"][sort]) if sort in keys else (lambda r: r[sort])
+    known = [r for r in sweep["runs"] if value(r) is not None]  # stable: a point's runs stay in seed order
+    runs = sorted(known, key=lambda r: (not _numeric(value(r)), value(r) if _numeric(value(r)) else str(value(r))),
+                  reverse=desc) + [
+        r for r in sweep["runs"] if value(r) is None]
     return render(request, "sweep.html", sweep=sweep, keys=keys, runs=runs, sort=sort, desc=desc,
+                  untrained_skipped=sweep["metric"].split("/")[-1].startswith("eval_")
+                  and not sweep["request"].get("score_untrained"),
                   chart=parallel_coordinates(sweep, keys), scatters=scatters(sweep, keys))
 
 
@@ -195,7 +200,7 @@ def parallel_coordinates(sweep: dict, keys: list[str], width: int = 720, height:
         place[a], ticks[a] = _scale(values, a != "score" and _log_axis(params[a], values))
     top, span = 30, height - 60
     y = {a: lambda r, a=a: top + span * (1 - place[a](r["score"] if a == "score" else r["params"][a])) for a in axes}
-    lines = [{"run": r["id"], "best": _is_best(sweep, r["sweep_point"]),
+    lines = [{"run": r["id"], "title": _title(r), "best": _is_best(sweep, r["sweep_point"]),
               "points": " ".join(f"{x[a]:.1f},{y[a](r):.1f}" for a in axes)} for r in scored]
     return {"width": width, "height": height, "axes": [{"name": a, "x": x[a], "ticks": [
         (top + span * (1 - t), label) for t, label in ticks[a]]} for a in axes], "lines": lines,
@@ -221,13 +226,19 @@ def scatters(sweep: dict, keys: list[str], width: int = 260, height: int = 190) 
         on_x, x_ticks = _scale(values, log)
         charts.append({"name": k, "log": log, "width": width, "height": height, "left": left, "right": right,
                        "top": top, "bottom": bottom,
-                       "runs": [{"run": r["id"], "best": _is_best(sweep, r["sweep_point"]),
+                       "runs": [{"run": r["id"], "title": _title(r), "best": _is_best(sweep, r["sweep_point"]),
                                  "xy": at(on_x(r["params"][k]), on_y(r["score"]))} for r in scored],
                        "points": [{"point": p["point"], "best": _is_best(sweep, p["point"]),
                                    "xy": at(on_x(p["params"][k]), on_y(p["score"]))} for p in points],
                        "x_ticks": [(at(t, 0)[0], label) for t, label in x_ticks],
                        "y_ticks": [(at(0, t)[1], label) for t, label in y_ticks]})
     return charts
+
+
+def _title(run: dict) -> str:
+    """What a run's line or dot says on hover: its name, its point's values, its score."""
+    values = ", ".join(f"{k}={v:.3g}" if _numeric(v) else f"{k}={v}" for k, v in run["params"].items())
+    return f"#{run['id']} {run['name']}: {values}, score {run['score']:.4g}"
 
 
 def _is_best(sweep: dict, point: int) -> bool:

@@ -133,11 +133,15 @@ def ensure_runs(s: Session, sweep: Sweep, request: SweepRequest, limit: int = RU
     return created
 
 
-def run_values(s: Session, run_ids: list[int], metric: str, up_to: int | None = None) -> dict[int, list]:
-    """Each run's values of the metric in step order (only steps <= up_to, if given)."""
+def run_values(s: Session, run_ids: list[int], request: SweepRequest, up_to: int | None = None) -> dict[int, list]:
+    """Each run's values of the sweep's metric in step order (only steps <= up_to, if given). An eval's value at step
+    0 is the policy before any training (a warm start): not a score unless the request says score_untrained."""
+    metric = request.metric
     q = select(Metric.run_id, Metric.value).where(Metric.run_id.in_(run_ids), Metric.name == metric)
     if up_to is not None:
         q = q.where(Metric.step <= up_to)
+    if metric.split("/")[-1].startswith("eval_") and not request.score_untrained:
+        q = q.where(Metric.step > 0)
     values = defaultdict(list)
     for run_id, value in s.execute(q.order_by(Metric.run_id, Metric.step)):
         values[run_id].append(value)
@@ -152,7 +156,7 @@ def _summary(s: Session, sweep: dict, details: bool = False) -> dict:
     runs = [dict(r) for r in s.execute(select(Run.id, Run.name, Run.status, Run.step, Run.total_steps,
                                               Run.sweep_point, Run.config).where(Run.sweep_id == sweep["id"])
                                        .order_by(Run.id)).mappings()]
-    values = run_values(s, [r["id"] for r in runs], request.metric)
+    values = run_values(s, [r["id"] for r in runs], request)
     by_point = defaultdict(list)
     for r in runs:
         r["seed"] = r.pop("config")["seed"]
@@ -166,7 +170,9 @@ def _summary(s: Session, sweep: dict, details: bool = False) -> dict:
            "metric": request.metric, "goal": request.goal, "runs_total": len(runs),
            "runs_done": sum(r["status"] in TERMINAL for r in runs), "warning": None,
            "best": best and {"point": best["point"], "params": best["params"], "score": best["score"]}}
-    if runs and not values:  # the tick's warning (daemon/sweep_tick.py check_metric) holds while none has one
+    if runs and not s.scalar(select(Metric.id).where(Metric.run_id.in_([r["id"] for r in runs]),
+                                                     Metric.name == request.metric).limit(1)):
+        # the tick's warning (daemon/sweep_tick.py check_metric) holds while none has one
         out["warning"] = s.scalar(select(Event.message).where(Event.run_id.in_([r["id"] for r in runs]),
                                                               Event.kind == "sweep_metric_missing").limit(1))
     if details:

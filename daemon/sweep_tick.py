@@ -55,7 +55,7 @@ def next_point(s: Session, sweep: Sweep, request: SweepRequest, free: int, shutd
     if s.scalar(select(Run.id).where(Run.sweep_id == sweep.id, Run.status == "queued").limit(1)) is not None:
         return
     runs = s.execute(select(Run.id, Run.sweep_point, Run.status).where(Run.sweep_id == sweep.id)).all()
-    values = run_values(s, [r.id for r in runs], request.metric)
+    values = run_values(s, [r.id for r in runs], request)
     done = []
     for index, params in enumerate(sweep.points):
         mine = [r for r in runs if r.sweep_point == index]
@@ -83,7 +83,7 @@ def early_stop(s: Session, sweep: Sweep, request: SweepRequest):
     judged = list(sweep.judged)
     for step in sorted(rule.at_steps):
         reached = [r for r in runs if r.step > step]  # its record of that step is in (step = last step + 1)
-        values = run_values(s, [r.id for r in reached], request.metric, up_to=step)
+        values = run_values(s, [r.id for r in reached], request, up_to=step)
         scores = {r.id: score(values.get(r.id, []), request.score, request.goal, request.last_n) for r in reached}
         for r in reached:
             key = f"{r.id}:{step}"

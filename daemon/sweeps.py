@@ -62,6 +62,8 @@ class SweepRequest(BaseModel):
     goal: Literal["max", "min"] = "max"
     score: Literal["best", "last", "mean"] = "best"
     last_n: int = Field(5, ge=1, description="score mean: over the last N values")
+    score_untrained: bool = Field(False, description="an eval_ metric: score its value at step 0 too (the policy "
+                                                     "before any training)")
     runs: int | None = Field(None, ge=1, le=MAX_POINTS, description="points to sample (random, tpe)")
     seeds: int | list[Annotated[int, Field(ge=0)]] = Field(1, description="seeds per point: a count (the base "
                                                                           "seed, +1, ...) or a list")

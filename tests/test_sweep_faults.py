@@ -35,7 +35,7 @@ def all_slots(_session) -> int:
     return 8
 
 
-def end(records: Records, run_id: int, status: str, values: list[float] = (), first_step: int = 0):
+def end(records: Records, run_id: int, status: str, values: list[float] = (), first_step: int = 1):
     """A run's eval_reward values at consecutive steps, as its worker would have written them, then its status."""
     with Session(records.engine) as s:
         for i, value in enumerate(values):
@@ -58,7 +58,7 @@ def test_runs_stopped_by_a_daemon_shutdown_never_finish_their_sweep_and_resume_i
     tick_sweeps(records.engine, all_slots, shutdown)
     assert records.get_sweep(grid["id"])["status"] == "running"
     # the next daemon resumes them: they run again inside their sweeps and end for their own reasons
-    end(records, runs[1], "completed", [0.9], first_step=1)
+    end(records, runs[1], "completed", [0.9], first_step=2)
     tick_sweeps(records.engine, all_slots)
     done = records.get_sweep(grid["id"])
     assert done["status"] == "completed" and done["best"]["score"] == pytest.approx(0.9)

@@ -35,8 +35,9 @@ def all_slots(_session) -> int:
     return 8
 
 
-def record(records: Records, run_id: int, values: list[float], status: str = "completed", first_step: int = 0):
-    """A run's eval_reward values at consecutive steps, as its worker would have written them, then its status."""
+def record(records: Records, run_id: int, values: list[float], status: str = "completed", first_step: int = 1):
+    """A run's eval_reward values at consecutive steps from the first after training (the eval at step 0 is the
+    untrained policy), as its worker would have written them, then its status."""
     with Session(records.engine) as s:
         for i, v in enumerate(values):
             s.add(Metric(run_id=run_id, name="eval_reward", step=first_step + i, value=v))
@@ -139,6 +140,26 @@ def test_early_stopping_stops_a_run_clearly_behind_and_never_the_best(tmp_path):
     tick_sweeps(records.engine, all_slots)  # judged once: nothing more happens
     with Session(records.engine) as s:
         assert len(s.scalars(select(Event.id).where(Event.kind == "early_stopped")).all()) == 2
+
+
+def test_the_eval_at_step_0_before_training_is_not_a_score_unless_asked(tmp_path):
+    """score best of eval_reward counted the eval of the untrained policy: a run that never learned scored its warm
+    start (0.84), as high as one that learned. Step 0 is left out by default; score_untrained counts it."""
+    records = Records(tmp_path)
+    for untrained in (False, True):
+        sweep = records.queue_sweep(request(name=f"untrained-{untrained}", seeds=1, score_untrained=untrained))
+        tick_sweeps(records.engine, all_slots)
+        runs = [r["id"] for r in records.get_sweep(sweep["id"])["runs"]]
+        for run_id, learned in zip(runs, (0.9, 0.3, 0.2, 0.1)):
+            record(records, run_id, [0.84, 0.1, learned], first_step=0)
+        tick_sweeps(records.engine, all_slots)
+        done = records.get_sweep(sweep["id"])
+        scores = {r["id"]: r["score"] for r in done["runs"]}
+        if untrained:
+            assert scores == {runs[0]: 0.9, runs[1]: 0.84, runs[2]: 0.84, runs[3]: 0.84}
+        else:
+            assert scores == {runs[0]: 0.9, runs[1]: 0.3, runs[2]: 0.2, runs[3]: 0.1}
+            assert done["best"]["point"] == next(r["sweep_point"] for r in done["runs"] if r["id"] == runs[0])
 
 
 def test_tpe_asks_for_the_next_point_as_runs_end_across_daemon_restarts(tmp_path):

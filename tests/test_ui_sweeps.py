@@ -2,6 +2,7 @@
 file: the runs table best first and sortable, the parallel-coordinates chart, a scatter of the score per param (axe
 finds no serious problem), compare for a selection, the link from a run's page."""
 import random
+import re
 import statistics
 
 import pytest
@@ -32,11 +33,11 @@ def finished(tmp_path_factory):
         record(records, r["id"], written[r["id"]])
     tick_sweeps(records.engine, lambda _s: 8)
     with web_thread(home, TOKEN) as (base, _app):
-        yield base, records.get_sweep(sweep["id"]), written
+        yield base, records.get_sweep(sweep["id"]), written, home
 
 
 def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selection(finished, page):
-    base, sweep, written = finished
+    base, sweep, written, _home = finished
     page.goto(f"{base}/sweeps?token={TOKEN}")
     page.get_by_role("link", name="lr-x-group").click()
     rows = page.locator("#sweep-runs tbody tr")
@@ -77,8 +78,58 @@ def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selecti
     expect(page.locator("#ov-sweep a")).to_have_attribute("href", f"/sweeps/{sweep['id']}")
 
 
+def column(rows, index: int) -> list[float]:
+    return [float(t) for t in rows.locator(f"td:nth-child({index + 1})").all_text_contents() if t.strip()]
+
+
+def test_the_score_arrows_say_the_order_and_the_chart_names_each_runs_values(finished, page):
+    """Issue 67 item 6: "score ▲" stood over a best-first (descending) order of the point scores, the run scores
+    in no order at all; the chart's lines said only "run #4"."""
+    base, sweep, _, _home = finished
+    page.goto(f"{base}/sweeps/{sweep['id']}?token={TOKEN}")
+    rows = page.locator("#sweep-runs tbody tr")
+    expect(page.locator("#sweep-runs th a", has_text="point score")).to_have_text("point score ▼")
+    points = column(rows, 7)
+    assert len(points) == 8 and points == sorted(points, reverse=True)
+    page.locator("#sweep-runs th a", has_text="score").first.click()
+    expect(page.locator("#sweep-runs th a").filter(has_text=re.compile("^score"))).to_have_text("score ▼")
+    scores = column(rows, 6)
+    assert len(scores) == 8 and scores == sorted(scores, reverse=True) and scores != column(rows, 7)
+    page.locator("#sweep-runs th a").filter(has_text=re.compile("^score")).click()
+    expect(page.locator("#sweep-runs th a").filter(has_text=re.compile("^score"))).to_have_text("score ▲")
+    assert column(rows, 6) == sorted(scores)
+    run = sweep["runs"][0]
+    title = page.locator(f"#parallel polyline[data-run='{run['id']}'] title")
+    expect(title).to_contain_text(f"{run['name']}: algo.lr={run['params']['algo.lr']:.3g}, loop.group_size=")
+    expect(page.locator("#sweep-untrained")).to_contain_text("not the eval at step 0")
+
+
+def test_a_running_sweep_page_updates_itself_and_stops_polling_once_it_ended(finished, page):
+    """Issue 67 item 6: the page was static (reload to watch). It polls while the sweep runs, keeps what is checked,
+    and stops once the sweep has ended."""
+    base, _sweep, _, home = finished
+    records = Records(home)
+    live = records.queue_sweep(SweepRequest.model_validate({**GRID, "name": "live", "seeds": 1}))
+    tick_sweeps(records.engine, lambda _s: 8)
+    runs = [r["id"] for r in records.get_sweep(live["id"])["runs"]]
+    page.goto(f"{base}/sweeps/{live['id']}?token={TOKEN}")
+    expect(page.locator("#sweep-live")).to_have_attribute("hx-trigger", re.compile("every"))
+    page.get_by_label(f"compare run {runs[1]}", exact=True).check()
+    record(records, runs[0], [0.25, 0.75], status="running")
+    score = page.locator(f"#sweep-run-{runs[0]} td:nth-child(7)")
+    expect(score).to_have_text("0.75", timeout=15_000)
+    expect(page.locator(f"#sweep-run-{runs[0]} td:nth-child(6)")).to_have_text("running")
+    expect(page.get_by_label(f"compare run {runs[1]}", exact=True)).to_be_checked()
+    for run_id in runs:
+        record(records, run_id, [0.5], first_step=3)
+    tick_sweeps(records.engine, lambda _s: 8)
+    expect(page.locator("#sweep-summary")).to_contain_text("completed", timeout=15_000)
+    expect(page.locator("#sweep-live")).not_to_have_attribute("hx-trigger", re.compile("."))
+    expect(page.locator("#sweep-live")).to_have_attribute("data-status", "completed")
+
+
 def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_named(finished, page):
-    base, sweep, _ = finished
+    base, sweep, _, _home = finished
     run_id = sweep["runs"][0]["id"]
     page.goto(f"{base}/runs/{run_id}?token={TOKEN}")
     page.locator("#actions a", has_text="Sweep…").click()
@@ -94,7 +145,7 @@ def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_n
 
 
 def test_a_param_spanning_decades_is_placed_on_a_log_axis(finished):
-    _base, sweep, _ = finished
+    _base, sweep, _, _home = finished
     lrs = {0: 1e-5, 1: 1e-4, 2: 1e-3, 3: 1e-2}  # three decades: evenly spaced
     wide = {**sweep, "runs": [{**r, "params": {**r["params"], "algo.lr": lrs[r["sweep_point"]]}} for r in sweep["runs"]],
             "points": [{**p, "params": {**p["params"], "algo.lr": lrs[p["point"]]}} for p in sweep["points"]]}
