@@ -403,3 +403,63 @@ def test_delete_is_offered_only_where_the_api_allows_it(site, page):
     for status, run_id in site["runs"].items():
         button = page.locator(f"tr[data-run-id='{run_id}'] button[data-action=delete]")
         expect(button).to_have_count(1 if status in ("stopped", "completed", "tripped") else 0)
+
+
+FINDABLE = """(name) => [...document.querySelectorAll('#charts .chart')].some((c) => c.checkVisibility() &&
+  c.innerText.includes(name)) || document.getElementById('folded').innerText.includes(name)"""
+
+
+def test_every_recorded_metric_is_findable_by_its_name_and_rss_gb_is_one_chart(site, page):
+    """Item 10: 6 of the 40 metrics a max_digit run records were nowhere on its page, not even by name (the counters
+    that stayed 0, and the breaker's two joined into grad_norm); rss_gb was charted twice (Memory and System)."""
+    steps = range(12)
+    extra = {**{n: {s: 0.0 for s in steps} for n in ("tool_call_rate", "tool_errors")},
+             **{n: {10: 0.0} for n in ("eval_tool_call_rate", "eval_tool_errors")},
+             "breaker_threshold": {s: 50.0 + s for s in steps}, "breaker_tripped": {s: 0.0 for s in steps},
+             "rss_gb": {s: 1.0 + s / 100 for s in steps}, "system/rss_gb": {s: 1.1 + s / 100 for s in range(1, 13)}}
+    now = time.time()
+    run_id = write_run(site["records"], "every-name", "completed", 12, [(now - 100, now - 50)], extra=extra)
+    names = sorted({m["name"] for m in site["records"].metrics(run_id)})
+    assert {"tool_errors", "eval_tool_call_rate", "breaker_tripped", "rss_gb", "entropy"} <= set(names)
+    page.goto(f"{site['base']}/runs/{run_id}?token={TOKEN}")
+    settle_run_page(page)
+    missing = [n for n in names if not page.evaluate(FINDABLE, n)]
+    assert missing == [], missing
+    expect(page.locator("#folded")).to_contain_text("tool_errors = 0")
+    for name in ("tool_call_rate", "breaker_threshold", "rss_gb"):  # and by the filter
+        page.locator("input[name=q]").fill(name)
+        page.wait_for_function(FINDABLE, arg=name)
+    page.locator("input[name=q]").fill("")
+    memory = page.locator("#charts .chart[data-metrics~='rss_gb']")
+    expect(memory).to_have_count(1)
+    expect(memory).to_have_attribute("data-metrics", re.compile(r"(^| )system/rss_gb( |$)"))
+
+
+def test_the_queue_reason_is_text_and_never_queued_beside_running(site, page):
+    """Item 10: the runs list gave the queue's reason only as a tooltip; the run page said "Queued … no slot taken"
+    beside a "running" badge until its next poll, and had no queue note when the run went back to the queue."""
+    records = site["records"]
+    run_id = write_run(records, "waits", "queued", 0, [])
+    page.goto(f"{site['base']}/?token={TOKEN}")
+    why = page.locator(f"tr[data-run-id='{run_id}'] .queue-why")
+    expect(why).to_be_visible()
+    expect(why).to_contain_text(re.compile("held by|no slot taken"))
+    page.goto(f"{site['base']}/runs/{run_id}")
+    expect(page.locator("#queue-note")).to_contain_text("Queued:")
+    # from now on, record every frame in which the badge says running and the note still says Queued
+    page.evaluate("""() => { window.__both = 0; const tick = () => {
+      if (document.getElementById('run-status').textContent === 'running' &&
+          document.getElementById('queue-note')?.textContent.startsWith('Queued')) window.__both++;
+      requestAnimationFrame(tick); }; tick(); }""")
+    with Session(records.engine) as s:
+        s.add(Attempt(run_id=run_id, number=1, started_at=time.time(), ended_at=None))
+        set_run(s, run_id, None, status="running", started_at=time.time())
+        s.commit()
+    expect(page.locator("#run-status")).to_have_text("running", timeout=10_000)
+    expect(page.locator("#queue-note")).to_contain_text("Left the queue: running")
+    assert page.evaluate("window.__both") == 0
+    with Session(records.engine) as s:  # a resume puts it back in the queue: the page says so again
+        set_run(s, run_id, None, status="queued")
+        s.commit()
+    expect(page.locator("#queue-note")).to_contain_text("Queued:", timeout=10_000)
+    expect(page.locator("#queue-note")).to_contain_text("in line")

@@ -91,12 +91,19 @@ Object.assign(Molt, (() => {
         }
         const names = specLines.map((l) => l.name).concat(spec.trips && store[spec.trips] ? [spec.trips] : []);
         chart.root.dataset.metrics = names.filter((n) => store[n]).join(" ");
-        const drawn = specLines.filter((l) => hasData(l.name));
+        // a counter that stayed 0 (ONLY_NONZERO) is drawn only once opened from the constants line
+        const drawn = specLines.filter((l) => hasData(l.name) || (unfolded.has(id) && store[l.name]?.step.length));
         if (query && !names.some((n) => n.toLowerCase().includes(query)) && !spec.title.toLowerCase().includes(query)) {
           chart.root.hidden = true;
           continue;
         }
         if (hidden.has(id)) { chart.root.hidden = true; hiddenShown.push(id); continue; }
+        const zeros = specLines.filter((l) => store[l.name]?.step.length && !hasData(l.name));
+        if (!drawn.length && zeros.length) {  // findable by its name all the same: "tool_errors = 0"
+          chart.root.hidden = true;
+          constants.push([id, zeros.map((l) => `${l.name} = 0`).join(", ")]);
+          continue;
+        }
         if (drawn.length && !["reward", "suites"].includes(section) && !pinned.has(id) && !unfolded.has(id) &&
             drawn.every((l) => constant(store[l.name]))) {
           chart.root.hidden = true; chart.root.dataset.points = String(store[drawn[0].name].step.length);
@@ -196,8 +203,14 @@ Object.assign(Molt, (() => {
         page.attempts = run.attempts; view.elapsed = clock(); render();
       }
       if (el("ov-pid")) el("ov-pid").textContent = run.pid ?? "—";
+      const note = el("queue-note");
+      if (run.status !== "queued" && note?.classList.contains("waiting")) {  // at once, beside the new badge
+        note.className = "queue-note left"; note.textContent = `Left the queue: ${run.status}.`;
+        htmx.trigger(document.body, "refresh-queue");
+      }
       if (status !== null && status !== run.status) {
         htmx.trigger(document.body, "refresh-actions"); htmx.trigger(document.body, "refresh-records");
+        if (run.status === "queued") htmx.trigger(document.body, "refresh-queue");  // back in the queue: its note
       }
       status = run.status;
     }
