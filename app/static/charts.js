@@ -7,8 +7,7 @@ Object.assign(Molt, (() => {
   // The run page charts every recorded metric, one chart per name, in the section its name falls in (first rule
   // that matches; "other" for the rest), so a new metric appears without a code change. A few names join another
   // metric's chart instead: the breaker's threshold and trips join grad_norm, tokens/s joins samples/s on a labelled
-  // second axis, the trainer's rss_gb joins the sampled system/rss_gb, and each MoE layer's expert shares make one
-  // chart.
+  // second axis, and each MoE layer's expert shares make one chart.
   const SECTIONS = [
     ["system", "System", /^system\//],  // the worker's CPU, memory and GPUs, sampled by the daemon
     ["suites", "Eval suites", /\//],  // eval.suites: NAME/eval_reward, ...
@@ -22,8 +21,7 @@ Object.assign(Molt, (() => {
     ["loss", "Loss", /(loss|grad_|breaker_|clip|kl|ratio|entropy|^lr$|mismatch|trained_fraction)/],
     ["other", "Other", /./],
   ];
-  const JOINS = {breaker_threshold: "grad_norm", breaker_tripped: "grad_norm", tokens_per_s: "samples_per_s",
-                 rss_gb: "system/rss_gb"};  // the trainer's own sample each step: one memory chart, not two
+  const JOINS = {breaker_threshold: "grad_norm", breaker_tripped: "grad_norm", tokens_per_s: "samples_per_s"};
   // chat, agent and GPU counters (an eval suite's too) are recorded as 0 by runs that have none: no data unless one is non-zero
   const ONLY_NONZERO = /^([^/]+\/)?(eval_)?(tool_|template_prefix|agent_|gpu_)|^(segments_per_episode|sampling_overrides)$/;
   const UNITS = [[/_gb$/, "GB"], [/^samples_per_s$/, "samples/s"], [/^tokens_per_s$/, "tokens/s"],
@@ -51,9 +49,6 @@ Object.assign(Molt, (() => {
       spec.lines.push({name: "tokens_per_s", scale: "y2"});
       spec.y2Title = axisTitle("tokens_per_s");
       spec.title = "samples_per_s, tokens_per_s (right axis)";
-    } else if (name === "system/rss_gb") {
-      spec.lines.push({name: "rss_gb", label: "rss_gb (the trainer, each step)"});
-      spec.title = "system/rss_gb, rss_gb";
     } else if (name === "staleness_max" && page.max_staleness != null) {
       spec.bound = page.max_staleness;
       spec.title = `staleness_max (bound loop.max_staleness = ${page.max_staleness} dashed)`;
