@@ -283,18 +283,18 @@ class Soak:
                 kill_group(p, signal.SIGCONT)
         elif kind == "disk_full":  # fill the run's filesystem until a write of it fails, then free the space
             ballast = self.home / "runs" / str(run_id) / "ballast"
-            with open(ballast, "wb") as f:
-                try:
+            try:  # a filesystem already full (the run's checkpoints and tracker files filled it) fails the open itself
+                with open(ballast, "wb") as f:
                     while True:
                         f.write(b"\0" * 2**20)
                         f.flush()
-                except OSError:
-                    pass
+            except OSError:
+                pass
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not self.q(
                     "SELECT 1 FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, fault["time"]):
                 time.sleep(0.5)
-            ballast.unlink()
+            ballast.unlink(missing_ok=True)
         else:  # stop_resume: through the REST API, as a user would
             self.stopped_by_us.add(run_id)
             self.api("post", f"/api/v1/runs/{run_id}/stop")
