@@ -84,6 +84,9 @@ class SweepRecords:
             if sweep.status == "running":
                 raise SweepConflict(f"sweep {sweep_id} is running: stop it before deleting it")
             runs = s.scalars(select(Run.id).where(Run.sweep_id == sweep_id)).all()
+            # every run ended, checked before any is deleted: a refusal must leave the sweep whole
+            if live := s.scalars(select(Run.id).where(Run.sweep_id == sweep_id, Run.status.not_in(TERMINAL))).all():
+                raise SweepConflict(f"sweep {sweep_id}: runs {list(live)} have not ended: stop them before deleting it")
         for run_id in runs:
             try:
                 self.delete_run(run_id)

@@ -125,7 +125,9 @@ class Sequence:
             self.log.append(f"  2 x POST /api/v1/external-runs {key} -> {[a.status_code for a in answers]}")
             if [a.status_code for a in answers] != [201, 201] or len({a.json()["run"]["id"] for a in answers}) != 1:
                 raise Violation(f"two registrations with one key: {[(a.status_code, a.text[:200]) for a in answers]}")
-            self.remember(key, answers[1].json())  # the token given last is the one that writes
+            # which of the two tokens the server gave last is a race: the sender's next try holds the one that writes
+            if self.register(key) != answers[0].json()["run"]["id"]:
+                raise Violation(f"the Idempotency-Key {key} registered run {answers[0].json()['run']['id']} and now another")
         elif action == "register_with_a_sweep_runs_key" and \
                 (run := self.pick(i for i, r in runs.items() if r["sweep_id"] is not None)) is not None:
             key = self.db("SELECT idempotency_key FROM run WHERE id = ?", run)
