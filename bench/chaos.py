@@ -191,9 +191,9 @@ class Soak:
             self.sweeps.append(sweep["id"])
             say(f"launched sweep {sweep['id']} ({sweep['name']})")
         if not self.evals or self.q("SELECT status FROM evaluation WHERE id = ?", self.evals[-1])[0][0] in TERMINAL:
-            # a completed run's best checkpoint, else a random policy: 32 episodes, greedy
+            # a completed run's final policy (eval_every 0: no run has a best one), else a random policy: 32 episodes
             done = self.q("SELECT id FROM run WHERE status = 'completed' AND sweep_id IS NULL ORDER BY id DESC LIMIT 1")
-            source = {"run_id": done[0][0], "checkpoint": "best"} if done else \
+            source = {"run_id": done[0][0], "checkpoint": "final"} if done else \
                 {"model": {"preset": "tiny-dense"}, "env": "max_digit"}
             ev = self.api("post", "/api/v1/evals", json={**source, "episodes": 32, "max_restarts": 20}).json()
             self.evals.append(ev["id"])
