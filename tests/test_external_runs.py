@@ -13,10 +13,11 @@ from sqlalchemy import text
 from sqlmodel import Session
 
 from app.auth import Auth
-from app_support import FAST, ROOT, TOKEN, child_env, hook, logged_in, web  # noqa: F401 (hook, web: fixtures)
+from app_support import FAST, ROOT, TOKEN, child_env, hook, logged_in, web, web_thread  # noqa: F401 (hook, web: fixtures)
 from conftest import wait_until
 from daemon.db import connect, run_dir, set_run, sqlite_engine, upgrade
 from daemon.models import Alert, Attempt, Evaluation, Run
+from daemon.records import Records
 from daemon.report import HttpSink
 from daemon.supervisor import Supervisor
 
@@ -120,6 +121,40 @@ def test_a_dead_external_run_is_marked_failed_by_the_api_or_stopped_from_the_pag
     browser.post(f"/runs/{alive}/mark-stopped", data={"csrf_token": csrf})
     assert web["client"].get(f"/api/v1/runs/{alive}").json()["status"] == "stopped"
     assert web["client"].delete(f"/api/v1/runs/{alive}").status_code == 204  # ended: it can go
+
+
+@pytest.mark.slow  # two daemon starts and a `molt daemon stop`: half a minute on busy cores
+def test_a_graceful_daemon_stop_leaves_an_external_run_training_and_reporting(tmp_path):
+    """`molt daemon stop` stops the daemon's own runs; an external run's process is not the daemon's: it goes on
+    reporting through the dashboard, before the next daemon starts and after."""
+    records = Records(tmp_path)
+
+    def start_daemon():
+        daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(tmp_path), "--poll", "0.2"],
+                                  cwd=ROOT, env=child_env(tmp_path), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        wait_until(lambda: records.daemon_status()["pid"] == daemon.pid, 60, message="the daemon up")
+        return daemon
+    with web_thread(tmp_path, TOKEN) as (base, _):
+        site = {"base": base}
+        run, token = external(site)
+        daemon = start_daemon()
+        assert ingest(site, run, token, [metrics(0)]).status_code == 200
+        stop = subprocess.run([sys.executable, "-m", "app.cli", "daemon", "stop", "--home", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120, env=child_env(tmp_path), cwd=ROOT)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert daemon.wait(30) == 0 and f"run {run}" not in stop.stdout  # not one of the runs it stopped
+        assert ingest(site, run, token, [metrics(1)]).json()["status"] == "running"  # no daemon: it reports on
+        daemon = start_daemon()
+        try:
+            lock, touched = tmp_path / "daemon.lock", (tmp_path / "daemon.lock").stat().st_mtime_ns
+            wait_until(lambda: lock.stat().st_mtime_ns > touched, 30, message="a tick of the next daemon")  # its touch
+            assert ingest(site, run, token, [metrics(2)]).json()["status"] == "running"
+            assert records.get_run(run)["status"] == "running" and records.attempts(run)[-1]["number"] == 1
+            assert [m["step"] for m in records.metrics(run, names=["reward_mean"])] == [0, 1, 2]
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
 
 
 def test_an_unreachable_external_run_holds_no_slot_so_an_evaluation_starts(web):

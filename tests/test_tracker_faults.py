@@ -1,5 +1,6 @@
 """A tracker that is down, hangs or fails at once never stops or fails a run, nor holds its end (daemon/trackers.py);
 the credentials in a tracker's URL are never shown; GPU metrics find the worker's own GPUs (daemon/system.py)."""
+import json
 import os
 import socket
 import subprocess
@@ -188,3 +189,67 @@ def test_a_daemon_run_mirrored_to_an_mlflow_that_is_down_or_hangs_completes_in_o
         finally:
             daemon.terminate()
             daemon.wait(60)
+
+
+class Taker:
+    """A tracker that takes every record at once."""
+    def __init__(self, *args): pass
+    def metrics(self, *args, **kwargs): pass
+    text = samples = finish = metrics
+
+
+def test_a_tracker_state_file_on_a_full_disk_counts_its_records_as_lost_with_one_event(tmp_path, monkeypatch):
+    monkeypatch.setitem(trackers.TRACKERS, "tensorboard", Taker)
+    sink = Recorder()
+    cfg = RunConfig.model_validate({**TINY, "report": {"to": ["tensorboard"]}})
+    mirror = trackers.Mirror(sink, cfg, tmp_path, "full")
+    state = tmp_path / "trackers" / "tensorboard.json"
+    wait_until(state.exists, 10, message="the tracker's state saved at its start")
+    mirror.metrics(0, {"reward_mean": 0.5})
+    wait_until(lambda: json.loads(state.read_text())["steps"] == {"reward/mean": 0}, 10,
+               message="step 0 mirrored and saved")
+    # From now on the state file's writes meet a full disk: the kernel's /dev/full answers ENOSPC to every write
+    state.with_suffix(".part").symlink_to("/dev/full")
+    for step in (1, 2, 3):
+        mirror.metrics(step, {"reward_mean": 0.5})
+    mirror.close("completed")
+    told = [m for kind, m, _ in sink.events if kind == "tracker"]
+    assert told == ["tensorboard: OSError: [Errno 28] No space left on device; records it loses are counted in "
+                    "report/dropped", "tensorboard: 3 records not mirrored in all"], told
+    assert sink.metrics_seen[-1] == (3, {"report/dropped": 3.0})
+    assert json.loads(state.read_text())["steps"] == {"reward/mean": 0}  # the last one saved whole: a resume resends
+
+
+@pytest.mark.slow  # a real daemon, worker and MLflow start: about a minute on busy cores
+def test_a_graceful_daemon_stop_ends_the_tracker_run_after_its_last_step_and_the_resume_continues_it(tmp_path):
+    from mlflow.tracking import MlflowClient
+    home, uri = tmp_path / "home", f"sqlite:///{tmp_path}/mlflow.db"
+    home.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k not in trackers.MLFLOW_HTTP}, "PYTHONPATH": str(ROOT)}
+    api = Records(home)
+    run = api.create_run({**TINY, "loop": {**TINY["loop"], "steps": 100000}, "report": {
+        "to": ["mlflow"], "mlflow": {"tracking_uri": uri}}}, name="stopped")["id"]
+    state, first = api.run_dir(run) / "trackers" / "mlflow.json", None
+    for attempt in (1, 2):
+        with open(home / "daemon.log", "ab") as log:
+            daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2"],
+                                      cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_until(lambda: state.exists() and json.loads(state.read_text())["steps"].get("reward/mean", -1)
+                       >= 3 * attempt, 240, message=f"attempt {attempt} mirrored to MLflow")
+            stop = subprocess.run([sys.executable, "-m", "app.cli", "daemon", "stop", "--home", str(home)],
+                                  capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+            assert stop.returncode == 0, stop.stdout + stop.stderr
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+        stopped = api.get_run(run)
+        assert stopped["status"] == "stopped", stopped
+        mlflow_run = MlflowClient(uri).get_run(json.loads(state.read_text())["id"])
+        assert mlflow_run.info.status == "KILLED" and mlflow_run.info.end_time  # ended, not left RUNNING
+        history = MlflowClient(uri).get_metric_history(mlflow_run.info.run_id, "reward/mean")
+        last = max(m["step"] for m in api.metrics(run, names=["reward_mean"]))
+        assert sorted(m.step for m in history) == list(range(last + 1))  # every step, once, up to the last
+        first = first or mlflow_run.info.run_id
+        assert mlflow_run.info.run_id == first  # the resume continued the same MLflow run
+        api.resume_run(run)

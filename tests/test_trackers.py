@@ -188,8 +188,14 @@ def test_a_worker_killed_and_resumed_continues_the_same_tracker_runs_with_no_dup
     states = {name: api.run_dir(run) / "trackers" / f"{name}.json" for name in ("mlflow", "tensorboard", "trackio")}
 
     def mirrored_step(name):  # the trainer's metrics of a step may reach a mirror after its reward's: the least of them
-        state = states[name]
-        steps = json.loads(state.read_text())["steps"] if state.exists() else {}
+        state = json.loads(states[name].read_text()) if states[name].exists() else {}
+        steps = state.get("steps", {})
+        if name == "trackio" and "name" in state:  # it writes what it is given every 0.5 s: count what its store holds
+            from trackio.sqlite_storage import SQLiteStorage
+            steps = {}
+            for row in SQLiteStorage.get_logs("molt", state["name"]):
+                for key in row.keys() - {"step", "timestamp"}:
+                    steps[key] = max(steps.get(key, -1), row["step"])
         return min(steps.get(metric, -1) for metric in ("reward/mean", "loss/policy", "loss/breaker_threshold"))
     wait_until(lambda: all(mirrored_step(name) == held - 1 for name in states) and api.get_run(run)["pid"], 240,
                message=f"step {held - 1} mirrored by MLflow, TensorBoard and Trackio")
@@ -206,11 +212,9 @@ def test_a_worker_killed_and_resumed_continues_the_same_tracker_runs_with_no_dup
     assert set(found) == {"wandb", "mlflow", "tensorboard", "trackio"}
     # W&B offline may lose the last steps before a kill -9 (its service had not written them: docs/trackers.md);
     # online, W&B's own run.step says what it holds and the rest is sent again. Never a step twice.
-    # Trackio too, since this wave (open: steps 10-11 of loss/* went missing around the kill; docs/trackers.md)
-    for tracker in ("wandb", "trackio"):
-        for name, points in found.pop(tracker)["metrics"].items():
-            points_steps = [s for s, _ in points]
-            assert points_steps == sorted(set(points_steps)) and set(points_steps) <= set(range(steps + 1)), name
+    for name, points in found.pop("wandb")["metrics"].items():
+        points_steps = [s for s, _ in points]
+        assert points_steps == sorted(set(points_steps)) and set(points_steps) <= set(range(steps + 1)), name
     assert_each_metric_at_each_step_once(api, run, found, values=False)
     for got in found.values():
         assert [s for s, _ in got["metrics"]["reward/mean"]] == list(range(steps))
