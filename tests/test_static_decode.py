@@ -3,6 +3,7 @@ eager path, buffers as wide as the cache really grows, and a failing step that f
 them waiting."""
 import asyncio
 import copy
+import weakref
 from concurrent.futures import Future
 
 import pytest
@@ -147,3 +148,28 @@ def test_a_failing_step_fails_every_waiting_request_and_the_run_at_once(process)
     outcomes = asyncio.run(main())
     assert all(isinstance(o, Exception) for o in outcomes), outcomes
     assert all("index out of range" in str(o) for o in outcomes), outcomes
+
+
+
+def test_larger_buffers_are_allocated_only_after_the_old_ones_are_freed(monkeypatch):
+    """On a device, old buffers beside the larger new ones would be the largest moment of the run: every buffer the
+    static step made is dead by the time a larger one is made (the issue's case grows them)."""
+    from molt_engine.inference import static
+    alive_at_growth, allocations = [], []  # allocations: (shape, weak references to its keys and values)
+
+    class Watched(static.StaticLayer):
+        def __init__(self, keys, values, column):
+            if not allocations or allocations[-1][0] != keys.shape:  # the first layer of a new allocation
+                alive_at_growth.append(sum(ref() is not None for _, refs in allocations for ref in refs))
+                allocations.append((keys.shape, []))
+            allocations[-1][1].extend([weakref.ref(keys), weakref.ref(values)])
+            super().__init__(keys, values, column)
+    monkeypatch.setattr(static, "StaticLayer", Watched)
+    model = tiny_model()
+    script = {0: [("add", "first", tokens(300, 1), 16, False, 1)]}
+    after = {"first": [("add", "next", lambda reqs: reqs["first"].context + reqs["first"].ids + tokens(100, 2), 64,
+                        False, 2), ("add", "fresh", tokens(200, 3), 64, False, 3)]}
+    eager, _, _ = drive(model, False, script, after)
+    static_run, _, _ = drive(model, True, script, after)
+    assert_same(eager, static_run)  # the copies out and back in change no token
+    assert len(alive_at_growth) >= 2 and alive_at_growth == [0] * len(alive_at_growth), alive_at_growth

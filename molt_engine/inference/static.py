@@ -76,7 +76,10 @@ class StaticDecode:
         """Buffers for a cache of up to `longest` columns and `rows` rows; the graphs of the old ones go. Captured:
         as many rows as the budget holds there, so that more rows never recapture; uncaptured (the CPU): the bucket of
         `rows`, as nothing is captured (the budget's rows would be gigabytes of zeros for a CPU test). The Sampler's
-        cache still holds the old buffers' views: the next step copies its rows in."""
+        cache holds copies of the rows in use (decode made them): the next step copies them in."""
+        self.cache = self.graphs = self.pool = None  # the old buffers and the graphs' pool, freed first
+        if self.param.is_cuda:
+            torch.cuda.empty_cache()
         self.length = positions(longest)
         rows, p = self.rows(longest) if self.capture else bucket(rows), self.param
         shape = (rows, self.heads, self.length, self.head_dim)
@@ -95,6 +98,8 @@ class StaticDecode:
         Returns the logits [rows, vocab]; `cache` then holds views of the buffers, T + 1 positions."""
         rows, width = mask.shape
         if longest > self.length or rows > len(self.ids):
+            for layer in cache.layers:  # the rows in use, copied out: the old buffers go before the larger ones exist
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
             self.allocate(longest, rows)
         size = bucket(rows)
         for layer, static in zip(cache.layers, self.cache.layers):
