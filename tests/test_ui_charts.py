@@ -73,11 +73,16 @@ def test_every_recorded_metric_is_charted_in_its_section_and_the_filter_hides_th
     # sections by name
     for section, name in [("reward", "reward_mean"), ("reward", "eval_reward"), ("loss", "policy_loss"),
                           ("loss", "grad_norm"), ("staleness", "staleness_mean"), ("throughput", "samples_per_s"),
-                          ("memory", "rss_gb"), ("env", "response_length")]:
+                          ("env", "response_length")]:
         chart = page.locator(f"#section-{section} #chart-{name}")
         expect(chart).to_have_count(1)
         if name not in constants:
             expect(chart).to_be_visible()
+    # the trainer's rss_gb in one chart: the worker's system/rss_gb where the daemon sampled it, else its own in Memory
+    memory = page.locator(".chart[data-metrics~='rss_gb']")
+    expect(memory).to_have_count(1)
+    section, names = ("system", "system/rss_gb rss_gb") if "system/rss_gb" in series else ("memory", "rss_gb")
+    expect(page.locator(f"#section-{section} .chart[data-metrics~='rss_gb']")).to_have_attribute("data-metrics", names)
 
     page.fill("#view input[name=q]", "loss")
     shown = page.locator(".chart:visible")
@@ -129,7 +134,8 @@ def test_charts_have_axis_titles_one_legend_entry_per_line_points_for_sparse_ser
     assert plot(page, "reward_mean", "[u.axes[0].label, u.axes[1].label]") == ["step", "reward_mean"]
     # a title longer than the plot is high is its unit alone (the chart's heading names the metrics)
     assert plot(page, "samples_per_s", "[u.axes[1].label, u.axes[2].label]") == ["samples/s", "tokens/s"]
-    assert plot(page, "rss_gb", "u.axes[1].label") == "rss_gb (GB)"
+    memory = page.locator(".chart[data-metrics~='rss_gb']").get_attribute("id").removeprefix("chart-")
+    assert plot(page, memory, "u.axes[1].label") == f"{memory} (GB)"  # rss_gb's own, or system/rss_gb's
 
     # hover: values, raw with smoothed, no "--"; the other charts' cursors follow (uPlot cursor sync)
     over = reward.locator(".u-over")

@@ -7,7 +7,8 @@ Object.assign(Molt, (() => {
   // The run page charts every recorded metric, one chart per name, in the section its name falls in (first rule
   // that matches; "other" for the rest), so a new metric appears without a code change. A few names join another
   // metric's chart instead: the breaker's threshold and trips join grad_norm, tokens/s joins samples/s on a labelled
-  // second axis, and each MoE layer's expert shares make one chart.
+  // second axis, the trainer's rss_gb joins the worker's sampled system/rss_gb where there is one (one memory chart;
+  // a run without system metrics keeps rss_gb's own), and each MoE layer's expert shares make one chart.
   const SECTIONS = [
     ["system", "System", /^system\//],  // the worker's CPU, memory and GPUs, sampled by the daemon
     ["suites", "Eval suites", /\//],  // eval.suites: NAME/eval_reward, ...
@@ -21,7 +22,8 @@ Object.assign(Molt, (() => {
     ["loss", "Loss", /(loss|grad_|breaker_|clip|kl|ratio|entropy|^lr$|mismatch|trained_fraction)/],
     ["other", "Other", /./],
   ];
-  const JOINS = {breaker_threshold: "grad_norm", breaker_tripped: "grad_norm", tokens_per_s: "samples_per_s"};
+  const JOINS = {breaker_threshold: "grad_norm", breaker_tripped: "grad_norm", tokens_per_s: "samples_per_s",
+                 rss_gb: "system/rss_gb"};
   // chat, agent and GPU counters (an eval suite's too) are recorded as 0 by runs that have none: no data unless one is non-zero
   const ONLY_NONZERO = /^([^/]+\/)?(eval_)?(tool_|template_prefix|agent_|gpu_)|^(segments_per_episode|sampling_overrides)$/;
   const UNITS = [[/_gb$/, "GB"], [/^samples_per_s$/, "samples/s"], [/^tokens_per_s$/, "tokens/s"],
@@ -39,6 +41,9 @@ Object.assign(Molt, (() => {
                                      title: `Expert token share, layer ${layer}`};
     if (JOINS[name] && store[JOINS[name]]) return null;  // drawn in that chart
     const spec = {id: name, title: name, lines: [{name}], yTitle: axisTitle(name)};
+    // the worker's samples are taken every few seconds, not per step: on wall time (a step of the page's x would stack
+    // a slow step's samples, and a fast run's steps squeeze them), raw unless the chart's own smoothing says otherwise
+    if (name.startsWith("system/")) Object.assign(spec, {time: true, smooth: 0});
     if (name === "grad_norm") {
       spec.lines.push({name: "breaker_threshold", label: "breaker threshold", dash: true});
       spec.trips = "breaker_tripped";
@@ -49,6 +54,9 @@ Object.assign(Molt, (() => {
       spec.lines.push({name: "tokens_per_s", scale: "y2"});
       spec.y2Title = axisTitle("tokens_per_s");
       spec.title = "samples_per_s, tokens_per_s (right axis)";
+    } else if (name === "system/rss_gb") {
+      spec.lines.push({name: "rss_gb", label: "rss_gb (the trainer, each step)"});
+      spec.title = "system/rss_gb, rss_gb";
     } else if (name === "staleness_max" && page.max_staleness != null) {
       spec.bound = page.max_staleness;
       spec.title = `staleness_max (bound loop.max_staleness = ${page.max_staleness} dashed)`;
@@ -180,7 +188,8 @@ Object.assign(Molt, (() => {
       this.root.querySelector("h3").textContent = title;
       (opts.before ? container.insertBefore(this.root, opts.before) : container.appendChild(this.root));
       this.yTitle = opts.yTitle || ""; this.y2Title = opts.y2Title || ""; this.sync = opts.sync;
-      this.local = {};  // this chart's own log scale / smoothing; unset: the page's
+      // this chart's own log scale / smoothing (a system chart's: none at first); unset: the page's
+      this.local = opts.smooth == null ? {} : {smooth: opts.smooth};
       const head = this.root.querySelector(".chart-head");
       head.addEventListener("input", (e) => {
         e.stopPropagation();
@@ -269,7 +278,7 @@ Object.assign(Molt, (() => {
                {...axis, label: fitTitle(this.yTitle)},
                ...(y2 ? [{...axis, scale: "y2", side: 1, grid: {show: false}, label: fitTitle(this.y2Title)}] : [])],
         legend: {live: true},
-        cursor: this.sync ? {sync: {key: this.sync}} : {},
+        cursor: this.sync ? {sync: {key: `${this.sync}-${view.x}`}} : {},  // the charts on the same x follow one cursor
         hooks: {draw: [(u) => this.drawMarks(u)]},
       }, data, this.root.querySelector(".plot"));
       this.root.plot = this.plot;  // tests read its scales and cursor

@@ -49,7 +49,8 @@ Object.assign(Molt, (() => {
       const section = SECTIONS.find(([, , re]) => re.test(name))[0];
       const list = sections[pinned.has(spec.id) ? "pinned" : section].querySelector(".charts");
       const before = [...list.children].find((el) => el.id > `chart-${spec.id}`);
-      const chart = new Chart(list, spec.id, spec.title, {before, yTitle: spec.yTitle, y2Title: spec.y2Title, sync: "run"});
+      const chart = new Chart(list, spec.id, spec.title, {before, yTitle: spec.yTitle, y2Title: spec.y2Title, sync: "run",
+                                                          smooth: spec.smooth});
       charts[spec.id] = {spec, section, chart};
       const head = chart.root.querySelector(".chart-head");
       head.insertAdjacentHTML("beforeend", `<button type="button" class="small" data-act="pin"></button>
@@ -113,20 +114,20 @@ Object.assign(Molt, (() => {
         const lines = drawn.map((l, i) => ({
           label: l.label || l.name, color: COLORS[i % COLORS.length], series: store[l.name], dash: l.dash,
           scale: l.scale, points: spec.points && !l.dash}));
-        const markers = [];
-        const xOf = (s, i) => (view.x === "time" ? s.time[i] : view.x === "elapsed" ? view.elapsed(s.time[i]) : s.step[i]);
+        const markers = [], x = spec.time && view.x === "step" ? "time" : view.x;  // the worker's samples: on time
+        const xOf = (s, i) => (x === "time" ? s.time[i] : x === "elapsed" ? view.elapsed(s.time[i]) : s.step[i]);
         if (spec.trips && store[spec.trips]) {
           const s = store[spec.trips];
           s.value.forEach((v, i) => {
             if (v >= 1) markers.push({x: xOf(s, i), color: "#dc2626", label: `trip@${s.step[i]}`, trip: true});
           });
         }
-        if (view.x !== "step") {
+        if (x !== "step") {
           page.attempts.slice(1).forEach(([start], i) => markers.push({
-            x: view.x === "time" ? start : view.elapsed(start), color: "#6b7280", label: `resumed (attempt ${i + 2})`}));
+            x: x === "time" ? start : view.elapsed(start), color: "#6b7280", label: `resumed (attempt ${i + 2})`}));
         }
         const hlines = spec.bound != null ? [{y: spec.bound, label: `bound ${spec.bound}`}] : [];
-        chart.render(lines, view, markers, hlines);
+        chart.render(lines, x === view.x ? view : {...view, x}, markers, hlines);
       }
       for (const [id, el] of Object.entries(sections)) {
         el.hidden = !Object.values(charts).some((c) => el.contains(c.chart.root) && !c.chart.root.hidden);
