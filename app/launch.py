@@ -43,9 +43,12 @@ RECIPES = {
                                "loop": {"groups_per_step": 8, "group_size": 8, "eval_episodes": 100},
                                "warm_start": {"steps": 200, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1}},
     # docs/rewards.md's: reasoning-gym's tasks by name (the .[tasks] extra), a reward model, an LLM judge, a teacher
-    "reasoning-gym task": {"env": "reasoning_gym", "model": {"preset": "tiny-chat"},
+    "reasoning-gym task": {"env": "reasoning_gym", "model": {"preset": "tiny-chat"}, "seed": 0,
                            "env_args": {"task": "leg_counting", "min_animals": 1, "max_animals": 1,
-                                        "max_instances": 1, "answer_format": "plain", "max_tokens": 4}},
+                                        "max_instances": 1, "answer_format": "plain", "max_tokens": 4},
+                           "warm_start": {"steps": 100, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1},
+                           "loop": {"steps": 80, "eval_every": 40, "eval_episodes": 50, "groups_per_step": 8,
+                                    "group_size": 8}},
     "reward model": {"env": "max_digit", "rewards": {"env_weight": 0.0, "terms": [
         {"name": "rm", "model": "/models/my-reward-model", "device": "trainer", "normalize": "group"}]}},
     "LLM judge (group)": {"env": "max_digit", "loop": {"max_staleness": 1}, "rewards": {"env_weight": 1.0, "terms": [

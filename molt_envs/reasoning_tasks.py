@@ -37,8 +37,10 @@ def dataset(task: str, config: str):
 
 @register
 class ReasoningGym(Env):
-    """One chat turn: the task's question -> the policy's answer, scored by the task. Evals take the task's first
-    `eval_size` items, training (and warm-start demonstrations) the others, so the two never share an item."""
+    """A reasoning-gym task by name (env_args task): one chat turn, the answer scored by the task's own check.
+
+    Evals take the task's first `eval_size` items, training (and warm-start demonstrations) the others, so the two
+    never share an item."""
 
     name = "reasoning_gym"
     chat = True

@@ -1,13 +1,10 @@
 """reasoning-gym's tasks by name (molt_envs/reasoning_tasks.py): built from the installed package, scored by each task's
 own score_answer, eval items apart from training ones, unknown names refused at submit, and a short run that learns."""
 import asyncio
-import json
-import subprocess
 
 import pytest
 import reasoning_gym
 
-from app_support import ROOT, child_env, molt
 from molt_engine import RunConfig, config_errors, train
 from molt_engine.config import ValidationError
 from molt_engine.envs import DEMO_SEEDS, EVAL_SEEDS, load_env_packages, make_env
@@ -70,7 +67,8 @@ def errors(env_args: dict) -> str:
     return "\n".join(config_errors(refused.value))
 
 
-def test_unknown_tasks_and_keys_are_refused_at_submit_with_close_names(tmp_path):
+def test_unknown_tasks_and_keys_are_refused_with_close_names():
+    """As a submitted config is checked (over REST, served: tests/test_app_pages.py)."""
     assert "reasoning_gym has no task 'leg_count'; close names: leg_counting," in errors({"task": "leg_count"})
     assert "reasoning_gym has no task 'sudoko'; close names: sudoku, sokoban, mini_sudoku" in errors({"task": "sudoko"})
     assert "its 1" in errors({"task": "qqqqqq"}) and "zebra_puzzles" in errors({"task": "qqqqqq"})  # no close one
@@ -80,12 +78,6 @@ def test_unknown_tasks_and_keys_are_refused_at_submit_with_close_names(tmp_path)
     assert "eval_size must be from 1 to the task's size less one (9)" in errors(
         {"task": "leg_counting", "size": 10, "eval_size": 10})
     assert "answer_format must be one of tags, plain" in errors({"task": "leg_counting", "answer_format": "xml"})
-    (tmp_path / "run.json").write_text(json.dumps({"env": "reasoning_gym", "model": {"preset": "tiny-chat"},
-                                                   "env_args": {"task": "leg_countin"}}))
-    done = subprocess.run(molt("train", "--config", str(tmp_path / "run.json"), "--out", str(tmp_path / "out")),
-                          capture_output=True, text=True, cwd=ROOT, env=child_env(tmp_path / "home"), timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert "reasoning_gym has no task 'leg_countin'; close names: leg_counting" in done.stderr
 
 
 class Recorder:
@@ -97,3 +89,27 @@ class Recorder:
     def event(self, kind, message, **data): self.events.append(message)
     def checkpoint(self, step, path, **info): pass
     def samples(self, step, kind, records): pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_tiny_chat_policy_learns_leg_counting(tmp_path):
+    """leg_counting narrowed to one animal of one kind ("1 spider" -> 8: 37 animals, 8 answers), answered plainly:
+    the warm start (the task's answers) teaches the format and much of the table; RL on the task's score_answer then
+    raises the sampled reward (measured on 2 loaded cores, seed 0: 0.46 over the first 10 steps, 0.59 over steps
+    50-59, 0.67 over steps 70-79; greedy eval on the held-out items 0.84 after the warm start, 0.90 at step 40, 0.93
+    at step 80; 8-11 min)."""
+    sink = Recorder()
+    train({"env": "reasoning_gym", "model": {"preset": "tiny-chat"}, "seed": 0, "checkpoint": {"every": 0},
+           "env_args": {"task": "leg_counting", "min_animals": 1, "max_animals": 1, "max_instances": 1,
+                        "answer_format": "plain", "max_tokens": 4},
+           "warm_start": {"steps": 100, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1},
+           "loop": {"steps": 80, "eval_every": 40, "eval_episodes": 50, "groups_per_step": 8, "group_size": 8}},
+          sink, out_dir=tmp_path / "run")
+    assert "reasoning_gym leg_counting: items 0-99 of 500 held out for evals, 400 for training" in sink.events
+    sampled = [v["reward_mean"] for _, v in sorted(sink.steps.items()) if "reward_mean" in v]
+    evals = [v["eval_reward"] for _, v in sorted(sink.steps.items()) if "eval_reward" in v]
+    first, last = sum(sampled[:10]) / 10, sum(sampled[-10:]) / 10
+    print(f"sampled reward: first 10 steps {first:.3f}, last 10 {last:.3f}; evals {evals}")
+    assert len(sampled) == 80 and last > first + 0.1
+    assert evals[-1] >= evals[0] > 0.5  # the held-out table, greedy: the warm start's, kept or bettered
