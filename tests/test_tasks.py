@@ -98,7 +98,7 @@ def test_a_tiny_chat_policy_learns_leg_counting(tmp_path):
     the warm start (the task's answers) teaches the format and much of the table; RL on the task's score_answer then
     raises the sampled reward (measured on 2 loaded cores, seed 0: 0.46 over the first 10 steps, 0.59 over steps
     50-59, 0.67 over steps 70-79; greedy eval on the held-out items 0.84 after the warm start, 0.90 at step 40, 0.93
-    at step 80; 8-11 min)."""
+    at step 80; 11-14 min beside other jobs)."""
     sink = Recorder()
     train({"env": "reasoning_gym", "model": {"preset": "tiny-chat"}, "seed": 0, "checkpoint": {"every": 0},
            "env_args": {"task": "leg_counting", "min_animals": 1, "max_animals": 1, "max_instances": 1,
