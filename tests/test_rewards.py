@@ -376,7 +376,7 @@ def scripted_judge(path, reply: str) -> str:
 
 def test_a_local_judge_is_sampled_by_the_engines_sampler(tmp_path):
     """A judge without base_url is a local model: its greedy reply (here always {"score": 0.5}) scores each episode;
-    one whose reply holds no score is counted in judge_errors and scores per on_error."""
+    one whose reply holds no score is counted in judge_errors, one slower than timeout_s in judge_timeouts."""
     judge = scripted_judge(tmp_path / "judge", '{"score": 0.5}')
     sink = run(judged({"model": judge, "max_tokens": 16}), tmp_path / "a")
     assert len(sink.records) == 16 and all(r["reward"] == 0.5 for r in sink.records)
@@ -385,5 +385,8 @@ def test_a_local_judge_is_sampled_by_the_engines_sampler(tmp_path):
     mute = scripted_judge(tmp_path / "mute", "fine")
     sink = run(judged({"model": mute, "retries": 0}), tmp_path / "b")
     assert [v["judge_errors"] for v in sink.steps.values()] == [8, 8] and all(r["reward"] == 0 for r in sink.records)
+    # a reply slower than timeout_s: the call is given up (its decoding cancelled), counted, and the run goes on
+    sink = run(judged({"model": judge, "retries": 0, "timeout_s": 1e-4}), tmp_path / "c")
+    assert [v["judge_timeouts"] for v in sink.steps.values()] == [8, 8] and all(r["reward"] == 0 for r in sink.records)
     with pytest.raises(ValidationError, match="must be a local Hugging Face model directory"):
         RunConfig.model_validate(judged({"model": "Qwen/Qwen3-8B"}))  # a name at an endpoint needs its base_url
