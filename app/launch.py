@@ -42,6 +42,21 @@ RECIPES = {
                                             "max_tokens": 24},
                                "loop": {"groups_per_step": 8, "group_size": 8, "eval_episodes": 100},
                                "warm_start": {"steps": 200, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1}},
+    # docs/rewards.md's: reasoning-gym's tasks by name (the .[tasks] extra), a reward model, an LLM judge, a teacher
+    "reasoning-gym task": {"env": "reasoning_gym", "model": {"preset": "tiny-chat"}, "seed": 0,
+                           "env_args": {"task": "leg_counting", "min_animals": 1, "max_animals": 1,
+                                        "max_instances": 1, "answer_format": "plain", "max_tokens": 4},
+                           "warm_start": {"steps": 100, "lr": 1e-3}, "algo": {"lr": 1e-4, "kl_coef": 0.1},
+                           "loop": {"steps": 80, "eval_every": 40, "eval_episodes": 50, "groups_per_step": 8,
+                                    "group_size": 8}},
+    "reward model": {"env": "max_digit", "rewards": {"env_weight": 0.0, "terms": [
+        {"name": "rm", "model": "/models/my-reward-model", "device": "trainer", "normalize": "group"}]}},
+    "LLM judge (group)": {"env": "max_digit", "loop": {"max_staleness": 1}, "rewards": {"env_weight": 1.0, "terms": [
+        {"name": "judge", "weight": 0.5, "judge": {
+            "base_url": "http://127.0.0.1:8000/v1", "model": "Qwen/Qwen3-8B", "api_key_env": "JUDGE_API_KEY",
+            "mode": "group", "rubric": "Score how correct the answer is.", "timeout_s": 30.0, "on_error": "zero"}}]}},
+    "distillation teacher": {"env": "max_digit", "rewards": {"env_weight": 0.0, "teacher": {
+        "path": "runs/teacher/final", "coef": 1.0}}},
 }
 DATASET_FIELDS = ("path", "eval_path", "reward")  # env_args of the dataset env that the launch form asks for
 LORA_FIELDS = {"r": int, "alpha": float, "target_modules": str}  # model.lora; no rank: all weights train

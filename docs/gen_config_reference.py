@@ -2,6 +2,7 @@
 
 Run from anywhere: python docs/gen_config_reference.py
 (tests/test_docs.py fails, printing this command, when docs/config.md differs from what it writes)."""
+import inspect
 import json
 import re
 import sys
@@ -83,7 +84,7 @@ def table(title: str, model: type[BaseModel], presets=None, path_profile=None) -
     `presets` and `path_profile` are the section as each profile validates it (None: the field's own default)."""
     lines = [f"## {title}", ""]
     if model.__doc__ and model is not RunConfig:
-        lines += [model.__doc__.strip(), ""]
+        lines += [inspect.cleandoc(model.__doc__), ""]
     lines += ["| field | type | default | `model.path` default | description |", "|---|---|---|---|---|"]
     for name, field in model.model_fields.items():
         if is_section(field.annotation):
@@ -118,6 +119,9 @@ def render() -> str:
             for inner in sections_in(sub.annotation):
                 many = "[]" if typing.get_origin(sub.annotation) is list else ""
                 out += table(f"`{name}.{sub_name}{many}`", inner)
+                for deep_name, deep in inner.model_fields.items():  # and one level more (rewards.terms[].judge)
+                    for deepest in sections_in(deep.annotation):
+                        out += table(f"`{name}.{sub_name}{many}.{deep_name}`", deepest)
     return "\n".join(out).rstrip("\n") + "\n"
 
 

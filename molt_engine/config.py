@@ -241,10 +241,13 @@ class EvalConfig(_Strict):
 
 
 class JudgeConfig(_Strict):
-    """An LLM judge behind an OpenAI-compatible endpoint (molt_rewards/judges.py): a rubric, one call per episode
-    (pointwise) or per group (group, RULER-like: the group's answers scored relative to each other)."""
-    base_url: str = Field(description="the endpoint, e.g. http://127.0.0.1:8000/v1")
-    model: str = Field(description="the judge model's name at the endpoint")
+    """An LLM judge behind an OpenAI-compatible endpoint, or a local model (molt_rewards/judges.py): a rubric, one
+    call per episode (pointwise) or per group (group, RULER-like: the group's answers scored relative to each other)."""
+    base_url: str | None = Field(None, description="the endpoint, e.g. http://127.0.0.1:8000/v1; None = model is a "
+                                 "local directory")
+    model: str = Field(description="the judge model's name at the endpoint; without base_url, a local Hugging Face "
+                       "causal-LM directory with a chat template, run on the term's device by the engine's sampler")
+    max_tokens: int = Field(64, gt=0, description="local judge: tokens per reply at most (greedy)")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="environment variable "
                                     "that holds the key (the key itself never goes in a config); None = no key")
     mode: Literal["pointwise", "group"] = Field("pointwise", description="pointwise: each answer scored 0-1 alone; "
@@ -257,6 +260,13 @@ class JudgeConfig(_Strict):
     on_error: Literal["zero", "drop"] = Field("zero", description="when every try failed: the term scores 0, or the "
                                               "episode is dropped (not trained); either way counted")
 
+    @model_validator(mode="after")
+    def _local(self, info):
+        if self.base_url is None and info.context != ELSEWHERE and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"judge: without base_url, model {self.model!r} must be a local Hugging Face model "
+                             f"directory (no config.json)")
+        return self
+
 
 class RewardTerm(_Strict):
     """One more reward term: a function, a reward model or a judge (exactly one), weighted into the episode's reward."""
@@ -267,8 +277,8 @@ class RewardTerm(_Strict):
     model: str | None = Field(None, description="local Hugging Face AutoModelForSequenceClassification directory: its "
                               "first logit for the episode's text (its chat template where it has one)")
     judge: JudgeConfig | None = Field(None, description="an LLM judge's score, 0-1")
-    device: str = Field("trainer", pattern=r"^(trainer|cpu|cuda(:\d+)?)$", description="model: where it runs; "
-                        "trainer = the trainer's device")
+    device: str = Field("trainer", pattern=r"^(trainer|cpu|cuda(:\d+)?)$", description="model, local judge: where "
+                        "it runs; trainer = the trainer's device")
     normalize: Literal["none", "group"] = Field("none", description="group: the term's values standardised within "
                                                 "each group (mean 0, std 1) before weighting")
 

@@ -31,7 +31,7 @@ class Scoring:
         if term.model:
             return RewardModel(term.model, trainer_device if term.device == "trainer" else term.device)
         if term.judge:
-            return Judge(term.judge)
+            return Judge(term.judge, trainer_device if term.device == "trainer" else term.device)
         function = resolve(term.function, {}, "reward function")
 
         async def scored(texts, counts, latencies):  # one call per episode; a sync function in a thread

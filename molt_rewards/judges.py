@@ -1,12 +1,18 @@
-"""LLM judges behind an OpenAI-compatible endpoint: a rubric, then one answer (pointwise) or a group's answers
-(group, as RULER does) per call; bounded concurrency, a timeout and retries per call, failures counted, never raised."""
+"""LLM judges behind an OpenAI-compatible endpoint or a local model sampled by the engine's own sampler: a rubric,
+then one answer (pointwise) or a group's answers (group, as RULER does) per call; bounded concurrency, a timeout and
+retries per call, failures counted, never raised."""
 import asyncio
 import json
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from molt_engine.chat import stop_ids
+from molt_engine.inference.sampler import Sampler
 
 POINTWISE = 'Reply with JSON only: {"score": S}, S a number from 0 (worst) to 1 (best).'
 GROUP = ('Score each answer from 0 (worst) to 1 (best), relative to the others. Reply with JSON only: '
@@ -14,20 +20,45 @@ GROUP = ('Score each answer from 0 (worst) to 1 (best), relative to the others. 
 JSON = re.compile(r"\{.*\}", re.DOTALL)
 
 
+class LocalChat:
+    """A local Hugging Face causal LM that answers chat messages greedily, decoded by the engine's Sampler on a thread
+    of its own (its decode steps hold neither the event loop nor the policy's sampler)."""
+
+    def __init__(self, path: str, device, max_tokens: int):
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"judge {path!r}: its tokenizer has no chat template")
+        model = AutoModelForCausalLM.from_pretrained(path).to(device).requires_grad_(False)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.sampler = Sampler(model, stop_ids(self.tokenizer, model.generation_config), pad, temperature=1.0,
+                               executor=ThreadPoolExecutor(1, thread_name_prefix="molt-judge"))
+        self.max_tokens, self.running = max_tokens, None
+
+    async def __call__(self, messages: list[dict]) -> str:
+        if self.running is None:  # the sampler's coroutine, in the run's event loop (which ends it with the run)
+            self.running = asyncio.create_task(self.sampler.run())
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        reply = await self.sampler.generate(ids, self.max_tokens, greedy=True)
+        return self.tokenizer.decode(reply.ids, skip_special_tokens=True)
+
+
 class Judge:
-    def __init__(self, cfg):
+    def __init__(self, cfg, device):
         self.cfg = cfg
         if cfg.api_key_env and cfg.api_key_env not in os.environ:
             raise ValueError(f"judge {cfg.model!r}: the environment variable {cfg.api_key_env} (its api_key_env) is "
                              f"not set")
         self.key = os.environ[cfg.api_key_env] if cfg.api_key_env else "none"
+        self.local = None if cfg.base_url else LocalChat(cfg.model, device, cfg.max_tokens)
         self.client = self.slots = None  # made in the run's event loop, which they belong to
 
     async def __call__(self, texts, counts, latencies) -> list[float | None]:
         """A score per episode: 0-1, or per on_error (0, or None: dropped) where every try failed."""
-        if self.client is None:
-            self.client = openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=self.key, max_retries=0,
-                                             timeout=self.cfg.timeout_s)
+        if self.slots is None:
+            if not self.local:
+                self.client = openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=self.key, max_retries=0,
+                                                 timeout=self.cfg.timeout_s)
             self.slots = asyncio.Semaphore(self.cfg.concurrency)
         failed = None if self.cfg.on_error == "drop" else 0.0
         if self.cfg.mode == "group":  # one group is one prompt's answers
@@ -52,14 +83,19 @@ class Judge:
             for _ in range(self.cfg.retries + 1):
                 start = time.perf_counter()
                 try:
-                    reply = await asyncio.wait_for(self.client.chat.completions.create(
-                        model=self.cfg.model, messages=messages, temperature=0.0), self.cfg.timeout_s)
-                    return read_scores(reply.choices[0].message.content or "", n), time.perf_counter() - start
+                    reply = await asyncio.wait_for(self.reply(messages), self.cfg.timeout_s)
+                    return read_scores(reply, n), time.perf_counter() - start
                 except (TimeoutError, openai.APITimeoutError):
                     counts["judge_timeouts"] += 1
                 except (openai.OpenAIError, ValueError):  # refused, failed, or a reply without the scores asked for
                     counts["judge_errors"] += 1
         return None, 0.0
+
+    async def reply(self, messages: list[dict]) -> str:
+        if self.local:
+            return await self.local(messages)
+        reply = await self.client.chat.completions.create(model=self.cfg.model, messages=messages, temperature=0.0)
+        return reply.choices[0].message.content or ""
 
 
 def read_scores(text: str, n: int) -> list[float]:

@@ -1,7 +1,8 @@
 """The HTML pages against a real uvicorn and a real SQLite: login and its cookie, CSRF, the launch form's inline
 errors, paging, escaping, the thread pool, vendored assets only, a run's GPUs."""
 import re
-from urllib.parse import urlencode
+from html import unescape
+from urllib.parse import quote, urlencode
 
 import fastapi.routing
 import httpx
@@ -65,6 +66,29 @@ def test_the_launch_form_shows_each_error_at_its_input_by_the_rules_of_the_api(w
     assert errors["tags"].startswith("tags: ") and errors["max_restarts"].startswith("max_restarts: ")
     assert 'value="101"' in response.text, "what the user typed is kept"
     assert len(web["records"].list_runs()) == before
+
+
+def test_the_launch_form_offers_rewards_judges_a_teacher_and_reasoning_gym_as_recipes(web):
+    browser, csrf = logged_in(web)
+    page = browser.get("/runs/new").text
+    for recipe in ["reasoning-gym task", "reward model", "LLM judge (group)", "distillation teacher"]:
+        assert f'href="/runs/new?recipe={quote(recipe)}"' in page
+    for recipe, wanted in [("reward model", '"model": "/models/my-reward-model"'),
+                           ("LLM judge (group)", '"mode": "group"'), ("distillation teacher", '"teacher": {')]:
+        advanced = unescape(re.search(r'<textarea name="advanced"[^>]*>([^<]*)<', browser.get(
+            "/runs/new", params={"recipe": recipe}).text).group(1))
+        assert '"rewards": {' in advanced and wanted in advanced
+    html = browser.get("/runs/new", params={"recipe": "reasoning-gym task"}).text
+    assert re.search(r'<option value="reasoning_gym" data-description="A reasoning-gym task by name[^>]*selected>', html)
+    advanced = unescape(re.search(r'<textarea name="advanced"[^>]*>([^<]*)<', html).group(1))
+    response = browser.post("/runs/new", data={"env": "reasoning_gym", "preset": "tiny-chat", "advanced": advanced,
+                                               "csrf_token": csrf})
+    assert response.status_code == 303, response.text  # it launches as the recipe fills it
+    queued = web["records"].get_run(int(response.headers["location"].rsplit("/", 1)[1]))["config"]
+    assert queued["env"] == "reasoning_gym" and queued["env_args"]["task"] == "leg_counting"
+    refused = web["client"].post("/api/v1/runs", json={"config": {"env": "reasoning_gym", "model": {
+        "preset": "tiny-chat"}, "env_args": {"task": "leg_countin"}}})  # an unknown task, refused at submit
+    assert refused.status_code == 422 and "close names: leg_counting" in refused.text
 
 
 def test_the_runs_page_pages_through_every_run(web):
