@@ -62,7 +62,8 @@ class TrainedModel:
         """Per datum (tokens, loss inputs): its outputs ("logprobs" and "elementwise_loss" per token) and the batch's
         metrics. Tinker's losses are sums over tokens (weights or advantages do any normalising)."""
         if loss_fn not in LOSSES:
-            raise Refused(f"loss_fn {loss_fn!r} is not supported here; supported: {', '.join(LOSSES)}")
+            raise Refused(f"loss_fn {loss_fn!r} is not supported here; supported: {', '.join(LOSSES)} (a custom loss "
+                          "runs in the client: forward_backward_custom)")
         longest = max(len(tokens) for tokens, _ in data)
         if self.context and longest > self.context:
             raise Refused(f"a sequence of {longest} tokens is past the model's context of {self.context}")

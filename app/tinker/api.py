@@ -1,0 +1,193 @@
+"""The Tinker API's routes (/tinker/api/v1/...), as the pinned `tinker` SDK calls them: JSON bodies, protobuf for
+forward_backward and its output, every training request a future that the client polls (retrieve_future)."""
+import asyncio
+import hmac
+from concurrent.futures import Future
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from . import wire
+from .service import Gone, Service
+from .trainer import TEXT_PRESETS, Refused
+
+LONG_POLL_S = 20.0  # retrieve_future waits this long for a result before "try_again" (the SDK's read timeout is 45 s)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow", protected_namespaces=())  # the SDK's fields we do not use are ignored
+
+
+class CreateSession(Body):
+    sdk_version: str | None = None
+
+
+class SessionRef(Body):
+    session_id: str
+
+
+class Lora(Body):
+    rank: int = 32
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+class CreateModel(Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: Lora | None = None
+
+
+class ModelRef(Body):
+    model_id: str
+
+
+class Adam(Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStep(Body):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: Adam | None = None
+
+
+class Retrieve(Body):
+    request_id: str
+
+
+def create(records, auth) -> FastAPI:
+    """The app that `molt serve` mounts at /tinker; its key is `molt token --tinker` (X-API-Key, as the SDK sends it)."""
+    service = Service(records)
+
+    def key(x_api_key: str | None = Header(None)):
+        if not x_api_key or not hmac.compare_digest(x_api_key.encode(), auth.tinker.encode()):
+            raise HTTPException(401, "missing or wrong Tinker API key: `molt token --tinker` on the server prints it")
+
+    api = FastAPI(title="Molt Studio: Tinker API", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(key)])
+    api.state.service = service
+
+    @api.exception_handler(Refused)
+    async def refused(request: Request, exc: Refused):
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @api.exception_handler(KeyError)
+    async def unknown(request: Request, exc: KeyError):
+        return JSONResponse({"detail": exc.args[0]}, status_code=404)
+
+    @api.exception_handler(Gone)
+    async def gone(request: Request, exc: Gone):
+        return JSONResponse({"detail": str(exc)}, status_code=410)
+
+    # ---- the client's setup ------------------------------------------------------------------------------------
+
+    @api.get("/api/v1/healthz")
+    def healthz():
+        return {"status": "ok"}
+
+    @api.post("/api/v1/client/config")
+    def client_config():
+        # No JWT exchange (the key itself is checked on every request); httpx rather than pyqwest; zstd bodies
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": True}
+
+    @api.post("/api/v1/client/dynamic_config")
+    def dynamic_config():
+        return {}
+
+    @api.post("/api/v1/telemetry")
+    def telemetry():
+        return {"status": "accepted"}  # the SDK's telemetry is not kept
+
+    @api.get("/api/v1/get_server_capabilities")
+    def capabilities():
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": False}
+                                     for name in TEXT_PRESETS]}
+
+    @api.post("/api/v1/create_session")
+    def create_session(body: CreateSession):
+        return {"type": "create_session", "session_id": service.create_session()}
+
+    @api.post("/api/v1/session_heartbeat")
+    def heartbeat(body: SessionRef):
+        service.heartbeat(body.session_id)
+        return {"type": "session_heartbeat"}
+
+    @api.post("/api/v1/sessions/{session_id}/finish")
+    def finish(session_id: str, body: Body):
+        reason = (getattr(body, "reason", None) or {}).get("type")
+        service.end_session(session_id, "failed" if reason == "errored" else "completed",
+                            getattr(body, "detail", None) if reason == "errored" else None)
+        return None
+
+    # ---- training ----------------------------------------------------------------------------------------------
+
+    @api.post("/api/v1/create_model")
+    def create_model(body: CreateModel):
+        lora = body.lora_config or Lora()
+        model_id, request_id = service.create_model(body.session_id, body.model_seq_id, body.base_model, lora.rank,
+                                                    lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
+        return {"request_id": request_id, "model_id": model_id}
+
+    @api.post("/api/v1/get_info")
+    def get_info(body: ModelRef):
+        model = service.model(body.model_id)
+        return {"type": "get_info", "model_id": model.id, "is_lora": True, "lora_rank": model.rank,
+                "model_name": model.base_model,
+                "model_data": {"model_name": model.base_model, "tokenizer_id": model.base_model}}
+
+    @api.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request, content_encoding: str | None = Header(None)):
+        if "protobuf" not in request.headers.get("content-type", ""):
+            raise HTTPException(415, "forward_backward takes the SDK's protobuf body (application/x-protobuf)")
+        msg = wire.forward_backward_message(await request.body(), content_encoding)
+
+        def work(trained):
+            data, config = wire.forward_backward_inputs(msg)
+            outputs, metrics = trained.forward_backward(data, msg.loss_fn, config, msg.forward_only)
+            return wire.forward_backward_output(outputs, metrics)
+        return {"request_id": service.submit(msg.model_id, msg.seq_id, work), "model_id": msg.model_id}
+
+    @api.post("/api/v1/optim_step")
+    def optim_step(body: OptimStep):
+        adam = body.adam_params or Adam()
+        model = service.model(body.model_id)
+
+        def work(trained):
+            metrics = trained.optim_step(adam.learning_rate, adam.beta1, adam.beta2, adam.eps, adam.weight_decay,
+                                         adam.grad_clip_norm)
+            service.record(model, metrics)
+            return {"type": "optim_step", "metrics": metrics}
+        return {"request_id": service.submit(body.model_id, body.seq_id or 0, work), "model_id": body.model_id}
+
+    # ---- futures -----------------------------------------------------------------------------------------------
+
+    @api.post("/api/v1/retrieve_future")
+    async def retrieve_future(body: Retrieve):
+        future: Future | None = service.futures.get(body.request_id)
+        if future is None:
+            raise HTTPException(404, f"unknown request {body.request_id!r} (request ids do not outlive the server)")
+        waiting = asyncio.wrap_future(future)
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here, from `future`, not there
+        done, _ = await asyncio.wait([waiting], timeout=LONG_POLL_S)  # a timeout cancels nothing
+        if not done:
+            return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
+        if (error := future.exception()) is not None:
+            user = isinstance(error, (Refused, Gone))
+            return {"error": str(error) if user else f"{type(error).__name__}: {error}",
+                    "category": "user" if user else "server"}
+        result = future.result()
+        if isinstance(result, bytes):
+            return Response(result, media_type="application/x-protobuf")
+        return result
+
+    return api

@@ -1,0 +1,78 @@
+"""The Tinker API (issue 68): the unchanged `tinker` SDK (pinned) against a real `molt serve`, on CPU."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from app.auth import Auth
+from app_support import ROOT, child_env, serve
+from molt_engine.models import char_tokenizer
+
+TOKENIZER = char_tokenizer()  # the tiny presets' (one token per character)
+TEXTS = ["the cat sat on the mat", "molt studio trains agents", "hello world again", "one two three four"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")  # a tiny model: more threads only contend (30 steps: 3 s, not 40)
+        with serve(tmp_path_factory.mktemp("home")) as s:
+            yield s
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    service = tinker.ServiceClient(base_url=f"{served.base}/tinker", api_key=Auth(served.token).tinker)
+    yield service
+    service.close("success").result()
+
+
+def datum(text: str) -> types.Datum:
+    ids = TOKENIZER(text)["input_ids"]
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(ids[1:], np.int64),
+                                       "weights": np.ones(len(ids) - 1, np.float32)})
+
+
+def test_molt_token_tinker_prints_the_key_the_server_takes(served, tmp_path):
+    printed = subprocess.run([sys.executable, "-m", "app.cli", "token", "--tinker", "--home", str(served.home)],
+                             capture_output=True, text=True, cwd=ROOT, env=child_env(served.home), check=True)
+    assert printed.stdout.strip() == Auth(served.token).tinker and printed.stdout.startswith("tml-")
+
+
+def test_supervised_cross_entropy_halves_in_30_steps_and_the_run_charts_it(served, client):
+    data = [datum(t) for t in TEXTS]
+    trainer = client.create_lora_training_client(base_model="tiny-dense", rank=16, seed=1).result()
+    losses = []
+    for _ in range(30):
+        fwd_bwd = trainer.forward_backward(data, "cross_entropy")  # both submitted before either result is read
+        step = trainer.optim_step(types.AdamParams(learning_rate=2e-3, grad_clip_norm=1.0))
+        out = fwd_bwd.result()
+        losses.append(out.metrics["loss:sum"])
+        assert step.result().metrics["loss"] == pytest.approx(losses[-1], rel=1e-5)
+    assert losses[-1] < losses[0] / 2, losses
+    # per-token log-probs, one per target token, whose weighted sum is the loss
+    logprobs = [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+    assert [len(lp) for lp in logprobs] == [len(t) - 1 for t in TEXTS]
+    assert -sum(lp.sum() for lp in logprobs) == pytest.approx(losses[-1], rel=1e-4)
+
+    run = next(r for r in served.client.get("/api/v1/runs").json() if trainer.model_id in r["name"])
+    assert (run["status"], run["host"], run["step"], run["tags"]) == ("running", "tinker", 30, ["tinker"])
+    series = served.client.get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "loss"}).json()["series"]
+    assert series["loss"]["step"] == list(range(30))
+    assert series["loss"]["value"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_refusals_name_what_is_wrong(served, client):
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=f"{served.base}/tinker", api_key="tml-not-the-key").holder
+    with pytest.raises(Exception, match="unknown base model 'no-such-model'"):
+        client.create_lora_training_client(base_model="no-such-model", rank=4).result()
+    trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4).result()
+    with pytest.raises(Exception, match="loss_fn 'dro' is not supported here"):
+        trainer.forward_backward([datum("abc")], "dro").result()
+    with pytest.raises(Exception, match="past the model's context of 512"):
+        trainer.forward_backward([datum("x" * 600)], "cross_entropy").result()
