@@ -59,7 +59,7 @@ def test_supervised_cross_entropy_halves_in_30_steps_and_the_run_charts_it(serve
     assert [len(lp) for lp in logprobs] == [len(t) - 1 for t in TEXTS]
     assert -sum(lp.sum() for lp in logprobs) == pytest.approx(losses[-1], rel=1e-4)
 
-    run = next(r for r in served.client.get("/api/v1/runs").json() if trainer.model_id in r["name"])
+    run = run_of(served, trainer.model_id)
     assert (run["status"], run["host"], run["step"], run["tags"]) == ("running", "tinker", 30, ["tinker"])
     series = served.client.get(f"/api/v1/runs/{run['id']}/metrics", params={"names": "loss"}).json()["series"]
     assert series["loss"]["step"] == list(range(30))
@@ -76,3 +76,34 @@ def test_refusals_name_what_is_wrong(served, client):
         trainer.forward_backward([datum("abc")], "dro").result()
     with pytest.raises(Exception, match="past the model's context of 512"):
         trainer.forward_backward([datum("x" * 600)], "cross_entropy").result()
+
+
+def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
+    data, adam = [datum(t) for t in TEXTS[:2]], types.AdamParams(learning_rate=1e-2)
+    first = client.create_lora_training_client(base_model="tiny-dense", rank=4, seed=3).result()
+    for _ in range(3):
+        first.forward_backward(data, "cross_entropy")
+        first.optim_step(adam)
+    path = first.save_state("three").result().path
+    assert path == f"tinker://{first.model_id}/weights/three"
+    again = client.create_training_client_from_state_with_optimizer(path).result()
+    fresh_adam = client.create_training_client_from_state(path).result()  # the same weights, new moments
+
+    def after_a_step(trainer) -> np.ndarray:
+        trainer.forward_backward(data, "cross_entropy")
+        trainer.optim_step(adam).result()
+        out = trainer.forward(data, "cross_entropy").result()
+        return np.concatenate([o["logprobs"].to_numpy() for o in out.loss_fn_outputs])
+
+    before = [np.concatenate([o["logprobs"].to_numpy() for o in t.forward(data, "cross_entropy").result()
+                              .loss_fn_outputs]) for t in (first, again, fresh_adam)]
+    assert np.abs(before[0] - before[1]).max() == 0 and np.abs(before[0] - before[2]).max() == 0
+    stepped = [after_a_step(t) for t in (first, again, fresh_adam)]
+    assert np.abs(stepped[0] - stepped[1]).max() == 0  # the moments came back too
+    assert np.abs(stepped[0] - stepped[2]).max() > 1e-4  # (without them the same step goes elsewhere)
+    checkpoints = served.client.get(f"/api/v1/runs/{run_of(served, first.model_id)['id']}/checkpoints").json()
+    assert [c["path"].endswith("three.pt") for c in checkpoints] == [True]
+
+
+def run_of(served, model_id: str) -> dict:
+    return next(r for r in served.client.get("/api/v1/runs").json() if model_id in r["name"])

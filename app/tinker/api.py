@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import wire
 from .service import Gone, Service
-from .trainer import TEXT_PRESETS, Refused
+from .trainer import TEXT_PRESETS, Refused, saved
 
 LONG_POLL_S = 20.0  # retrieve_future waits this long for a result before "try_again" (the SDK's read timeout is 45 s)
 
@@ -59,6 +59,21 @@ class OptimStep(Body):
     model_id: str
     seq_id: int | None = None
     adam_params: Adam | None = None
+
+
+class SaveWeights(Body):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+
+
+class LoadWeights(Body):
+    path: str
+    optimizer: bool = False
+    model_id: str | None = None      # load_state onto this model, in its turn
+    seq_id: int | None = None
+    session_id: str | None = None    # or: a new model of this session, made from the state
+    model_seq_id: int | None = None
 
 
 class Retrieve(Body):
@@ -168,6 +183,36 @@ def create(records, auth) -> FastAPI:
             service.record(model, metrics)
             return {"type": "optim_step", "metrics": metrics}
         return {"request_id": service.submit(body.model_id, body.seq_id or 0, work), "model_id": body.model_id}
+
+    @api.post("/api/v1/save_weights")
+    def save_weights(body: SaveWeights):
+        model = service.model(body.model_id)
+        name = body.path or f"step-{body.seq_id}"
+        tinker_path = f"tinker://{model.id}/weights/{name}"
+        path = service.state_path(tinker_path)
+
+        def work(trained):
+            trained.save(path)
+            service.checkpoint(model, path, name)
+            return {"type": "save_weights", "path": tinker_path}
+        return {"request_id": service.submit(body.model_id, body.seq_id or 0, work), "model_id": body.model_id}
+
+    @api.post("/api/v1/load_weights")
+    def load_weights(body: LoadWeights):
+        path = service.state_path(body.path)
+
+        def load(model):
+            model.trained.load(path, body.optimizer)
+            return {"type": "load_weights", "path": body.path, "model_id": model.id}
+        if body.model_id is not None:
+            return {"request_id": service.submit(body.model_id, body.seq_id or 0, lambda trained: load(
+                service.model(body.model_id))), "model_id": body.model_id}
+        if body.session_id is None or body.model_seq_id is None:
+            raise Refused("load_weights needs a model_id, or a session_id and model_seq_id for a new model")
+        state = saved(path)
+        model_id, request_id = service.create_model(body.session_id, body.model_seq_id, state["base_model"],
+                                                    state["rank"], None, *state["targets"], then=load)
+        return {"request_id": request_id, "model_id": model_id}
 
     # ---- futures -----------------------------------------------------------------------------------------------
 

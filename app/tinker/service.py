@@ -115,8 +115,9 @@ class Service:
     # ---- models ------------------------------------------------------------------------------------------------
 
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None,
-                     train_attn: bool, train_mlp: bool, train_unembed: bool) -> tuple[str, str]:
-        """The model's id and the request id of its creation; the run shows on the dashboard at once."""
+                     train_attn: bool, train_mlp: bool, train_unembed: bool, then=None) -> tuple[str, str]:
+        """The model's id and the request id of its creation (and of then(model), if given: loading a state); the
+        run shows on the dashboard at once."""
         session = self.session(session_id)
         cfg = model_config(base_model, rank, train_attn, train_mlp, train_unembed)  # refuses an unknown base model
         model_id = f"{session_id}:train:{model_seq_id}"
@@ -144,7 +145,7 @@ class Service:
 
         def build():
             model.trained = TrainedModel(base_model, rank, seed, train_attn, train_mlp, train_unembed)
-            return {"model_id": model_id, "type": "create_model"}
+            return then(model) if then else {"model_id": model_id, "type": "create_model"}
         return model_id, self._start(model.executor.submit(build))
 
     def model(self, model_id: str) -> Model:
@@ -189,6 +190,14 @@ class Service:
         request_id = f"req-{next(self._ids)}"
         self.futures[request_id] = future
         return request_id
+
+    def state_path(self, tinker_path: str) -> Path:
+        """Where tinker://MODEL_ID/weights/NAME lies: under the data directory, so a restarted server still has it."""
+        model_id, kind, name = (tinker_path.removeprefix("tinker://").split("/") + ["", "", ""])[:3]
+        if not tinker_path.startswith("tinker://") or kind != "weights" or not name or name.startswith(".") \
+                or not model_id or model_id.startswith("."):
+            raise Refused(f"{tinker_path!r} is not a state this server saved (tinker://MODEL_ID/weights/NAME)")
+        return self.root / model_id.replace(":", "_") / "weights" / f"{name}.pt"
 
     # ---- the dashboard -----------------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ class TrainedModel:
 
     def __init__(self, base_model: str, rank: int, seed: int | None, train_attn=True, train_mlp=True,
                  train_unembed=True):
-        self.base_model, self.rank = base_model, rank
+        self.base_model, self.rank, self.targets = base_model, rank, (train_attn, train_mlp, train_unembed)
         self.cfg = model_config(base_model, rank, train_attn, train_mlp, train_unembed)
         # A preset's base weights come from seed 0, whatever the adapters' seed: every client of a preset, and its
         # sampler, share one base model
@@ -124,15 +124,15 @@ class TrainedModel:
         """The adapters (and the optimizer's moments): what load restores exactly."""
         path.parent.mkdir(parents=True, exist_ok=True)
         names = {id(p): n for n, p in self.model.named_parameters()}
-        torch.save({"base_model": self.base_model, "rank": self.rank, "steps": self.steps,
+        torch.save({"base_model": self.base_model, "rank": self.rank, "targets": self.targets, "steps": self.steps,
                     "weights": {names[id(p)]: p.detach().cpu() for p in self.params},
                     "optimizer": self.optimizer.state_dict() if optimizer else None}, path)
 
     def load(self, path: Path, optimizer: bool):
-        state = torch.load(path, map_location=self.device, weights_only=True)
-        if state["base_model"] != self.base_model or state["rank"] != self.rank:
-            raise Refused(f"the state was saved from {state['base_model']} at rank {state['rank']}, not "
-                          f"{self.base_model} at rank {self.rank}")
+        state = saved(path)
+        if (state["base_model"], state["rank"], tuple(state["targets"])) != (self.base_model, self.rank, self.targets):
+            raise Refused(f"the state was saved from {state['base_model']} at rank {state['rank']} (modules "
+                          f"{state['targets']}), not {self.base_model} at rank {self.rank} ({self.targets})")
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in state["weights"].items():
@@ -140,3 +140,10 @@ class TrainedModel:
         if optimizer and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.steps = state["steps"]
+
+
+def saved(path: Path) -> dict:
+    """A state that save wrote (its base model, rank and modules say which model can load it)."""
+    if not path.is_file():
+        raise Refused(f"no saved state at {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)
