@@ -107,3 +107,51 @@ def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
 
 def run_of(served, model_id: str) -> dict:
     return next(r for r in served.client.get("/api/v1/runs").json() if model_id in r["name"])
+
+
+def test_sampling_a_base_model_with_stops_log_probs_and_prompt_log_probs(client):
+    sampler = client.create_sampling_client(base_model="tiny-dense").result()
+    prompt = types.ModelInput.from_ints(TOKENIZER("hello")["input_ids"])
+    out = sampler.sample(prompt, 3, types.SamplingParams(max_tokens=6, temperature=1.0, stop=[], seed=5),
+                         include_prompt_logprobs=True).result()
+    assert [(len(s.tokens), len(s.logprobs), s.stop_reason) for s in out.sequences] == [(6, 6, "length")] * 3
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 5
+    assert all(lp < 0 for s in out.sequences for lp in s.logprobs)
+    greedy = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])).result()
+    assert greedy.sequences[0].tokens == greedy.sequences[1].tokens  # temperature 0: the argmax each time
+    tokens = greedy.sequences[0].tokens
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0, stop=[tokens[-1]])).result()
+    until = tokens[:tokens.index(tokens[-1]) + 1]  # the first time the stop token comes, included
+    assert (stopped.sequences[0].tokens, stopped.sequences[0].stop_reason) == (until, "stop")
+
+
+@pytest.mark.slow  # about 25 s: the default suite keeps the supervised acceptance
+def test_rl_in_the_cookbook_style_raises_the_mean_reward(client):
+    """Groups sampled from the trainer's latest saved weights, scored (a digit: 0.5; the prompt's largest: 1),
+    advantages centred per group, importance_sampling on the sampled tokens."""
+    rng, trainer = np.random.default_rng(0), client.create_lora_training_client(base_model="tiny-dense", rank=8,
+                                                                                  seed=0).result()
+    means = []
+    for step in range(40):
+        if step % 2 == 0:
+            sampler = trainer.save_weights_and_get_sampling_client().result()
+        prompts = ["".join(map(str, rng.integers(0, 10, 3))) + ":" for _ in range(8)]
+        params = types.SamplingParams(max_tokens=1, temperature=1.0, stop=[])
+        futures = [sampler.sample(types.ModelInput.from_ints(TOKENIZER(p)["input_ids"]), 8, params) for p in prompts]
+        data, rewards = [], []
+        for prompt, future in zip(prompts, futures):
+            group = future.result().sequences
+            scores = [0.5 * TOKENIZER.decode(s.tokens).isdigit() + 0.5 * (TOKENIZER.decode(s.tokens) == max(prompt))
+                      for s in group]
+            rewards += scores
+            for s, advantage in zip(group, np.array(scores) - np.mean(scores)):
+                tokens = TOKENIZER(prompt)["input_ids"] + s.tokens
+                only_last = np.zeros(len(tokens) - 1, np.float32)  # the prompt's tokens are not trained
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                    "target_tokens": np.array(tokens[1:], np.int64),
+                    "logprobs": np.concatenate([only_last[:-1], s.logprobs]).astype(np.float32),
+                    "advantages": np.concatenate([only_last[:-1], [advantage]]).astype(np.float32)}))
+        trainer.forward_backward(data, "importance_sampling")
+        trainer.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        means.append(np.mean(rewards))
+    assert np.mean(means[-10:]) > np.mean(means[:5]) + 0.3, np.round(means, 3)

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict
 
 from . import wire
 from .service import Gone, Service
-from .trainer import TEXT_PRESETS, Refused, saved
+from .sampler import Sampler
+from .trainer import TEXT_PRESETS, Refused, TrainedModel, saved
 
 LONG_POLL_S = 20.0  # retrieve_future waits this long for a result before "try_again" (the SDK's read timeout is 45 s)
 
@@ -76,6 +77,41 @@ class LoadWeights(Body):
     model_seq_id: int | None = None
 
 
+class SamplingSession(Body):
+    session_id: str
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SaveForSampler(Body):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+
+
+class Params(Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[int] | list[str] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class Prompt(Body):
+    chunks: list[dict]
+
+
+class Sample(Body):
+    prompt: Prompt
+    sampling_params: Params
+    num_samples: int = 1
+    sampling_session_id: str | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+
+
 class Retrieve(Body):
     request_id: str
 
@@ -125,7 +161,7 @@ def create(records, auth) -> FastAPI:
 
     @api.get("/api/v1/get_server_capabilities")
     def capabilities():
-        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": False}
+        return {"supported_models": [{"model_name": name, "trainable": True, "sampleable": True}
                                      for name in TEXT_PRESETS]}
 
     @api.post("/api/v1/create_session")
@@ -213,6 +249,64 @@ def create(records, auth) -> FastAPI:
         model_id, request_id = service.create_model(body.session_id, body.model_seq_id, state["base_model"],
                                                     state["rank"], None, *state["targets"], then=load)
         return {"request_id": request_id, "model_id": model_id}
+
+    # ---- sampling ----------------------------------------------------------------------------------------------
+
+    def sampler_of(base_model: str | None, model_path: str | None):
+        if model_path:
+            state = saved(service.state_path(model_path))
+            trained = TrainedModel(state["base_model"], state["rank"], None, *state["targets"])
+            trained.load(service.state_path(model_path), optimizer=False)
+            return Sampler.snapshot(trained, model_path)
+        if not base_model:
+            raise Refused("a sampling client needs a base_model or a model_path")
+        return Sampler.of_base(base_model)
+
+    @api.post("/api/v1/create_sampling_session")
+    def create_sampling_session(body: SamplingSession):
+        service.session(body.session_id)
+        return {"type": "create_sampling_session",
+                "sampling_session_id": service.add_sampler(sampler_of(body.base_model, body.model_path))}
+
+    @api.get("/api/v1/samplers/{sampler_id}")
+    def get_sampler(sampler_id: str):
+        sampler = service.samplers.get(sampler_id)
+        if sampler is None:
+            raise KeyError(f"unknown sampler {sampler_id!r}")
+        return {"sampler_id": sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+    @api.post("/api/v1/save_weights_for_sampler")
+    def save_weights_for_sampler(body: SaveForSampler):
+        model = service.model(body.model_id)
+
+        def work(trained):
+            if body.path is None:  # save_weights_and_get_sampling_client: a sampler of the weights now
+                return {"type": "save_weights_for_sampler",
+                        "sampling_session_id": service.add_sampler(Sampler.snapshot(trained))}
+            tinker_path = f"tinker://{model.id}/sampler_weights/{body.path}"
+            trained.save(service.state_path(tinker_path), optimizer=False)
+            return {"type": "save_weights_for_sampler", "path": tinker_path}
+        return {"request_id": service.submit(body.model_id, body.seq_id or 0, work), "model_id": body.model_id}
+
+    @api.post("/api/v1/asample")
+    def asample(body: Sample):
+        if body.sampling_params.top_k != -1 or body.sampling_params.top_p != 1.0:
+            raise Refused("top_k and top_p are not supported here (temperature is)")
+        sampler = service.samplers.get(body.sampling_session_id) if body.sampling_session_id else None
+        if body.sampling_session_id and sampler is None:
+            raise KeyError(f"unknown sampling session {body.sampling_session_id!r}")
+        if any(c.get("type", "encoded_text") != "encoded_text" for c in body.prompt.chunks):
+            raise Refused("prompts of text (encoded_text chunks) only")
+        prompt = [t for c in body.prompt.chunks for t in c["tokens"]]
+        params = body.sampling_params
+
+        def work():
+            chosen = sampler or sampler_of(body.base_model, body.model_path)
+            sequences, prompt_lp = chosen.sample(prompt, body.num_samples, params.max_tokens, params.temperature,
+                                                 params.stop, params.seed, bool(body.prompt_logprobs))
+            return wire.sample_response(sequences, prompt_lp)
+        request_id = service.sample(work)
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
 
     # ---- futures -----------------------------------------------------------------------------------------------
 

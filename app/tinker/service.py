@@ -63,6 +63,8 @@ class Service:
         self.models: dict[str, Model] = {}
         self.futures: dict[str, Future] = {}
         self.by_seq: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a re-sent request runs once
+        self.samplers: dict = {}                      # sampling session id -> sampler.Sampler
+        self.sampling = ThreadPoolExecutor(1, thread_name_prefix="tinker-sampling")
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         threading.Thread(target=self._expire, daemon=True, name="tinker-sessions").start()
@@ -194,10 +196,22 @@ class Service:
     def state_path(self, tinker_path: str) -> Path:
         """Where tinker://MODEL_ID/weights/NAME lies: under the data directory, so a restarted server still has it."""
         model_id, kind, name = (tinker_path.removeprefix("tinker://").split("/") + ["", "", ""])[:3]
-        if not tinker_path.startswith("tinker://") or kind != "weights" or not name or name.startswith(".") \
-                or not model_id or model_id.startswith("."):
-            raise Refused(f"{tinker_path!r} is not a state this server saved (tinker://MODEL_ID/weights/NAME)")
-        return self.root / model_id.replace(":", "_") / "weights" / f"{name}.pt"
+        if not tinker_path.startswith("tinker://") or kind not in ("weights", "sampler_weights") or not name \
+                or name.startswith(".") or not model_id or model_id.startswith(".") or tinker_path.count("/") != 4:
+            raise Refused(f"{tinker_path!r} is not a state this server saved (tinker://MODEL_ID/weights/NAME or "
+                          "tinker://MODEL_ID/sampler_weights/NAME)")
+        return self.root / model_id.replace(":", "_") / kind / f"{name}.pt"
+
+    # ---- sampling ----------------------------------------------------------------------------------------------
+
+    def add_sampler(self, sampler) -> str:
+        sampler_id = f"sampler-{secrets.token_hex(6)}"
+        self.samplers[sampler_id] = sampler
+        return sampler_id
+
+    def sample(self, work) -> str:
+        """Sampling requests run beside training (a sampler is a frozen copy), in the order they came."""
+        return self._start(self.sampling.submit(work))
 
     # ---- the dashboard -----------------------------------------------------------------------------------------
 
