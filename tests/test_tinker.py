@@ -105,6 +105,19 @@ def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
     assert [c["path"].endswith("three.pt") for c in checkpoints] == [True]
 
 
+def test_a_stop_from_the_dashboard_ends_the_training_client_with_a_clear_error(served, client):
+    trainer, adam = client.create_lora_training_client(base_model="tiny-dense", rank=4).result(), types.AdamParams()
+    trainer.forward_backward([datum("abc")], "cross_entropy")
+    trainer.optim_step(adam).result()
+    run = run_of(served, trainer.model_id)
+    assert served.client.post(f"/api/v1/runs/{run['id']}/stop").json()["status"] == "stopping"
+    trainer.forward_backward([datum("abc")], "cross_entropy")
+    trainer.optim_step(adam).result()  # the step that reads the stop
+    assert run_of(served, trainer.model_id)["status"] == "stopped"
+    with pytest.raises(Exception, match=f"run {run['id']} was stopped from the dashboard"):
+        trainer.forward_backward([datum("abc")], "cross_entropy").result()
+
+
 def run_of(served, model_id: str) -> dict:
     return next(r for r in served.client.get("/api/v1/runs").json() if model_id in r["name"])
 
