@@ -1,4 +1,5 @@
 """The Tinker API (issue 68): the unchanged `tinker` SDK (pinned) against a real `molt serve`, on CPU."""
+import json
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ from tinker import types
 
 from app.auth import Auth
 from app_support import ROOT, child_env, serve
+from conftest import wait_until
 from molt_engine.models import char_tokenizer
 
 TOKENIZER = char_tokenizer()  # the tiny presets' (one token per character)
@@ -168,3 +170,59 @@ def test_rl_in_the_cookbook_style_raises_the_mean_reward(client):
         trainer.optim_step(types.AdamParams(learning_rate=2e-2)).result()
         means.append(np.mean(rewards))
     assert np.mean(means[-10:]) > np.mean(means[:5]) + 0.3, np.round(means, 3)
+
+
+CLIENT = """
+import json, sys
+import numpy as np, tinker
+from tinker import types
+data = [types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                    loss_fn_inputs={"target_tokens": np.array([6, 7, 8]), "weights": np.ones(3, np.float32)})]
+client = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2])
+trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4).result()
+trainer.forward_backward(data, "cross_entropy")
+trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+path = trainer.save_state("kept").result().path
+logprobs = trainer.forward(data, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+print(json.dumps({"model_id": trainer.model_id, "path": path, "logprobs": logprobs}), flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+@pytest.mark.slow  # about a minute: two servers, and a heartbeat timeout to wait out
+def test_a_killed_client_is_ended_by_its_heartbeats_and_a_killed_server_keeps_its_states(tmp_path):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MOLT_TINKER_HEARTBEAT_TIMEOUT", "15")  # the SDK beats every 10 s
+        patch.setenv("OMP_NUM_THREADS", "1")
+        with serve(tmp_path) as served:
+            proc = subprocess.Popen([sys.executable, "-c", CLIENT, f"{served.base}/tinker", Auth(served.token).tinker],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            first = json.loads(proc.stdout.readline())
+            assert run_of(served, first["model_id"])["status"] == "running"
+            proc.kill()  # kill -9: no finish, no more heartbeats
+            proc.wait()
+            wait_until(lambda: run_of(served, first["model_id"])["status"] == "failed", timeout=15 + 15)
+            assert "no heartbeat from the client for 15s" in run_of(served, first["model_id"])["last_error"]
+            # a second session, live when its server is killed
+            proc = subprocess.Popen([sys.executable, "-c", CLIENT, f"{served.base}/tinker", Auth(served.token).tinker],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            second = json.loads(proc.stdout.readline())
+            served.proc.kill()
+            served.proc.wait()
+            proc.kill()
+            proc.wait()
+        with serve(tmp_path) as again:
+            client = tinker.ServiceClient(base_url=f"{again.base}/tinker", api_key=Auth(again.token).tinker)
+            for saved in (first, second):
+                restored = client.create_training_client_from_state_with_optimizer(saved["path"]).result()
+                out = restored.forward([datum_of([5, 6, 7, 8])], "cross_entropy").result()
+                assert np.abs(out.loss_fn_outputs[0]["logprobs"].to_numpy() - saved["logprobs"]).max() == 0
+            orphan = run_of(again, second["model_id"])
+            assert orphan["status"] == "failed" and "the server restarted" in orphan["last_error"]
+            client.close("success").result()
+
+
+def datum_of(ids: list[int]) -> types.Datum:
+    return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                       loss_fn_inputs={"target_tokens": np.array(ids[1:], np.int64),
+                                       "weights": np.ones(len(ids) - 1, np.float32)})

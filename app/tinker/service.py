@@ -13,7 +13,7 @@ from sqlalchemy import select, update
 from sqlmodel import Session
 
 from daemon.db import add_event
-from daemon.models import Attempt, Run, now
+from daemon.models import ACTIVE, Attempt, Run, now
 from daemon.records import Records
 from daemon.sink import write_records
 from molt_engine.config import ELSEWHERE, RunConfig
@@ -67,7 +67,18 @@ class Service:
         self.sampling = ThreadPoolExecutor(1, thread_name_prefix="tinker-sampling")
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._end_orphans()
         threading.Thread(target=self._expire, daemon=True, name="tinker-sessions").start()
+
+    def _end_orphans(self):
+        """Runs of an earlier server process (killed, or stopped) end as failed: their sessions and futures died
+        with it. Their saved states stay, for create_training_client_from_state."""
+        with Session(self.records.engine) as s:
+            for run_id in s.scalars(select(Run.id).where(Run.host == HOST, Run.status.in_(ACTIVE))).all():
+                attempt = s.scalars(select(Attempt).where(Attempt.run_id == run_id)).first()
+                finish(s, run_id, attempt, {"status": "failed", "time": now(), "summary": None,
+                                            "error": "the server restarted: the Tinker session ended with it"})
+            s.commit()
 
     # ---- sessions ----------------------------------------------------------------------------------------------
 
