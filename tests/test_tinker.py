@@ -80,6 +80,19 @@ def test_refusals_name_what_is_wrong(served, client):
         trainer.forward_backward([datum("x" * 600)], "cross_entropy").result()
 
 
+def test_a_custom_loss_runs_in_the_client_over_forward_and_a_weighted_cross_entropy(client):
+    trainer, data = client.create_lora_training_client(base_model="tiny-dense", rank=4).result(), [datum("abcd")]
+
+    def twice_the_nll(data, logprobs_list):
+        loss = -2 * sum(lp.sum() for lp in logprobs_list)
+        return loss, {"nll": loss.item() / 2}
+    custom = trainer.forward_backward_custom(data, twice_the_nll).result()
+    plain = trainer.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert custom.metrics["nll"] == pytest.approx(plain, rel=1e-5)
+    # the backward is cross_entropy with weights -d(loss)/d(logprobs) = 2: the custom loss's gradient
+    assert custom.metrics["surrogate_loss:sum"] == pytest.approx(2 * plain, rel=1e-5)
+
+
 def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
     data, adam = [datum(t) for t in TEXTS[:2]], types.AdamParams(learning_rate=1e-2)
     first = client.create_lora_training_client(base_model="tiny-dense", rank=4, seed=3).result()
