@@ -118,6 +118,11 @@ def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
     assert np.abs(stepped[0] - stepped[2]).max() > 1e-4  # (without them the same step goes elsewhere)
     checkpoints = served.client.get(f"/api/v1/runs/{run_of(served, first.model_id)['id']}/checkpoints").json()
     assert [c["path"].endswith("three.pt") for c in checkpoints] == [True]
+    rest = tinker.RestClient(base_url=f"{served.base}/tinker", api_key=Auth(served.token).tinker)
+    assert [c.tinker_path for c in rest.list_checkpoints(first.model_id).result().checkpoints] == [path]
+    listed = rest.get_training_run(first.model_id).result()
+    assert (listed.base_model, listed.lora_rank, listed.last_checkpoint.tinker_path) == ("tiny-dense", 4, path)
+    assert first.model_id in [r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs]
 
 
 def test_a_stop_from_the_dashboard_ends_the_training_client_with_a_clear_error(served, client):

@@ -3,6 +3,7 @@ forward_backward and its output, every training request a future that the client
 import asyncio
 import hmac
 from concurrent.futures import Future
+from datetime import datetime, timezone
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
@@ -308,6 +309,39 @@ def create(records, auth) -> FastAPI:
         request_id = service.sample(work)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}
 
+    # ---- the REST client's listings -----------------------------------------------------------------------------
+
+    def checkpoints(model_id: str) -> list[dict]:
+        """The states saved from a model, read from disk: a restarted server lists them too."""
+        folder = service.state_path(f"tinker://{model_id}/weights/x").parent.parent
+        return [{"checkpoint_id": f"{kind}/{path.stem}", "checkpoint_type": kind_name,
+                 "time": datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat(),
+                 "tinker_path": f"tinker://{model_id}/{kind}/{path.stem}", "size_bytes": path.stat().st_size}
+                for kind, kind_name in (("weights", "training"), ("sampler_weights", "sampler"))
+                for path in sorted((folder / kind).glob("*.pt"), key=lambda p: p.stat().st_mtime)]
+
+    def training_run(model) -> dict:
+        saved_ = checkpoints(model.id)
+        return {"training_run_id": model.id, "base_model": model.base_model, "model_owner": "molt", "is_lora": True,
+                "lora_rank": model.rank, "last_request_time": datetime.fromtimestamp(model.last_request, timezone.utc),
+                "last_checkpoint": next((c for c in reversed(saved_) if c["checkpoint_type"] == "training"), None),
+                "last_sampler_checkpoint": next((c for c in reversed(saved_) if c["checkpoint_type"] == "sampler"),
+                                                None)}
+
+    @api.get("/api/v1/training_runs")
+    def list_training_runs(limit: int = 20, offset: int = 0):
+        models = list(service.models.values())  # this server process's, oldest first
+        return {"training_runs": [training_run(m) for m in models[offset:offset + limit]],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(models)}}
+
+    @api.get("/api/v1/training_runs/{model_id}")
+    def get_training_run(model_id: str):
+        return training_run(service.model(model_id))
+
+    @api.get("/api/v1/training_runs/{model_id}/checkpoints")
+    def list_checkpoints(model_id: str):
+        return {"checkpoints": checkpoints(model_id)}
+
     # ---- futures -----------------------------------------------------------------------------------------------
 
     @api.post("/api/v1/retrieve_future")
@@ -321,9 +355,11 @@ def create(records, auth) -> FastAPI:
         if not done:
             return {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}
         if (error := future.exception()) is not None:
+            service.retrieved(body.request_id)
             user = isinstance(error, (Refused, Gone))
             return {"error": str(error) if user else f"{type(error).__name__}: {error}",
                     "category": "user" if user else "server"}
+        service.retrieved(body.request_id)
         result = future.result()
         if isinstance(result, bytes):
             return Response(result, media_type="application/x-protobuf")

@@ -24,6 +24,7 @@ from .trainer import Refused, TrainedModel, model_config
 HOST = "tinker"  # the runs list shows "external · tinker"
 # The SDK beats every 10 s; a session silent this long has lost its client (killed, or its machine gone)
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MOLT_TINKER_HEARTBEAT_TIMEOUT", 60))
+KEEP_RESULTS_S = 600  # a result read by the client is dropped this long after (outputs can be large)
 
 
 class Gone(Exception):
@@ -43,6 +44,7 @@ class Model:
     next_seq: int = 1
     waiting: dict = field(default_factory=dict)     # seq_id -> (work, future): arrived before their turn
     lock: threading.Lock = field(default_factory=threading.Lock)
+    last_request: float = field(default_factory=time.time)
     ended: str | None = None                        # why no more requests run (a stop from the dashboard)
 
 
@@ -62,6 +64,7 @@ class Service:
         self.sessions: dict[str, TinkerSession] = {}
         self.models: dict[str, Model] = {}
         self.futures: dict[str, Future] = {}
+        self.read_at: dict[str, float] = {}  # request id -> when its result was first read (kept a while for retries)
         self.by_seq: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a re-sent request runs once
         self.samplers: dict = {}                      # sampling session id -> sampler.Sampler
         self.sampling = ThreadPoolExecutor(1, thread_name_prefix="tinker-sampling")
@@ -117,9 +120,16 @@ class Service:
             model.ended = model.ended or f"session {session_id} has ended"
             self._end_run(model, status, error)
 
+    def retrieved(self, request_id: str):
+        self.read_at.setdefault(request_id, time.monotonic())
+
     def _expire(self):
         while True:
             time.sleep(min(5.0, HEARTBEAT_TIMEOUT_S / 4))
+            for request_id, read_at in list(self.read_at.items()):  # a lost answer's retry comes within seconds
+                if time.monotonic() - read_at > KEEP_RESULTS_S:
+                    self.futures.pop(request_id, None)
+                    self.read_at.pop(request_id)
             for session in list(self.sessions.values()):
                 if not session.ended and time.monotonic() - session.beat > HEARTBEAT_TIMEOUT_S:
                     self.end_session(session.id, "failed", f"no heartbeat from the client for "
@@ -172,6 +182,7 @@ class Service:
         forward_backward's chunks in parallel, the first last). Returns the request id (the same for a seq_id sent
         again: a retried request runs once)."""
         model = self.model(model_id)
+        model.last_request = time.time()
         with model.lock:
             if (model_id, seq_id) in self.by_seq:
                 return self.by_seq[(model_id, seq_id)]
