@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from . import wire
-from .service import Gone, Service
+from .service import Gone, Service, Unknown
 from .sampler import Sampler
 from .trainer import TEXT_PRESETS, Refused, TrainedModel, saved
 
@@ -118,7 +118,7 @@ class Retrieve(Body):
 
 
 def create(records, auth) -> FastAPI:
-    """The app that `molt serve` mounts at /tinker; its key is `molt token --tinker` (X-API-Key, as the SDK sends it)."""
+    """The app `molt serve` mounts at /tinker; its key is `molt token --tinker`, in X-API-Key as the SDK sends it."""
     service = Service(records)
 
     def key(x_api_key: str | None = Header(None)):
@@ -133,8 +133,8 @@ def create(records, auth) -> FastAPI:
     async def refused(request: Request, exc: Refused):
         return JSONResponse({"detail": str(exc)}, status_code=400)
 
-    @api.exception_handler(KeyError)
-    async def unknown(request: Request, exc: KeyError):
+    @api.exception_handler(Unknown)
+    async def unknown(request: Request, exc: Unknown):
         return JSONResponse({"detail": exc.args[0]}, status_code=404)
 
     @api.exception_handler(Gone)
@@ -176,9 +176,9 @@ def create(records, auth) -> FastAPI:
 
     @api.post("/api/v1/sessions/{session_id}/finish")
     def finish(session_id: str, body: Body):
-        reason = (getattr(body, "reason", None) or {}).get("type")
-        service.end_session(session_id, "failed" if reason == "errored" else "completed",
-                            getattr(body, "detail", None) if reason == "errored" else None)
+        reason = (getattr(body, "reason", None) or {}).get("type")  # success, errored or interrupted
+        status = {"errored": "failed", "interrupted": "stopped"}.get(reason, "completed")
+        service.end_session(session_id, status, getattr(body, "detail", None) or "the client exited with an error")
         return None
 
     # ---- training ----------------------------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def create(records, auth) -> FastAPI:
     def get_sampler(sampler_id: str):
         sampler = service.samplers.get(sampler_id)
         if sampler is None:
-            raise KeyError(f"unknown sampler {sampler_id!r}")
+            raise Unknown(f"unknown sampler {sampler_id!r}")
         return {"sampler_id": sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
     @api.post("/api/v1/save_weights_for_sampler")
@@ -295,7 +295,7 @@ def create(records, auth) -> FastAPI:
             raise Refused("top_k and top_p are not supported here (temperature is)")
         sampler = service.samplers.get(body.sampling_session_id) if body.sampling_session_id else None
         if body.sampling_session_id and sampler is None:
-            raise KeyError(f"unknown sampling session {body.sampling_session_id!r}")
+            raise Unknown(f"unknown sampling session {body.sampling_session_id!r}")
         if any(c.get("type", "encoded_text") != "encoded_text" for c in body.prompt.chunks):
             raise Refused("prompts of text (encoded_text chunks) only")
         prompt = [t for c in body.prompt.chunks for t in c["tokens"]]
@@ -348,7 +348,7 @@ def create(records, auth) -> FastAPI:
     async def retrieve_future(body: Retrieve):
         future: Future | None = service.futures.get(body.request_id)
         if future is None:
-            raise HTTPException(404, f"unknown request {body.request_id!r} (request ids do not outlive the server)")
+            raise Unknown(f"unknown request {body.request_id!r} (request ids do not outlive the server)")
         waiting = asyncio.wrap_future(future)
         waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here, from `future`, not there
         done, _ = await asyncio.wait([waiting], timeout=LONG_POLL_S)  # a timeout cancels nothing

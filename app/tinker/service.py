@@ -1,5 +1,5 @@
 """Tinker sessions, their models and futures: each model runs its requests one at a time in the client's seq_id
-order on a thread of its own, and is a run on the dashboard (an external run on host "tinker") with a metric per step."""
+order on a thread of its own, and is a run on the dashboard (an external run on host "tinker"), a metric a step."""
 import itertools
 import os
 import secrets
@@ -25,6 +25,10 @@ HOST = "tinker"  # the runs list shows "external · tinker"
 # The SDK beats every 10 s; a session silent this long has lost its client (killed, or its machine gone)
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MOLT_TINKER_HEARTBEAT_TIMEOUT", 60))
 KEEP_RESULTS_S = 600  # a result read by the client is dropped this long after (outputs can be large)
+
+
+class Unknown(LookupError):
+    """A session, model, sampler or request id this server process does not know (404)."""
 
 
 class Gone(Exception):
@@ -94,7 +98,7 @@ class Service:
     def session(self, session_id: str) -> TinkerSession:
         session = self.sessions.get(session_id)
         if session is None:
-            raise KeyError(f"unknown session {session_id!r}")
+            raise Unknown(f"unknown session {session_id!r}")
         if session.ended:
             raise Gone(f"session {session_id} has ended")
         return session
@@ -174,7 +178,7 @@ class Service:
     def model(self, model_id: str) -> Model:
         model = self.models.get(model_id)
         if model is None:
-            raise KeyError(f"unknown model {model_id!r}")
+            raise Unknown(f"unknown model {model_id!r}")
         return model  # an ended one still takes requests, which fail in their turn (a 410 here: the SDK retries)
 
     def submit(self, model_id: str, seq_id: int, work) -> str:

@@ -115,8 +115,8 @@ class TrainedModel:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        metrics = {"loss": self.loss_since_step, "loss_per_token": self.loss_since_step / max(self.tokens_since_step, 1),
-                   "grad_norm": float(norm), "learning_rate": learning_rate}
+        metrics = {"loss": self.loss_since_step, "grad_norm": float(norm), "learning_rate": learning_rate,
+                   "loss_per_token": self.loss_since_step / max(self.tokens_since_step, 1)}
         self.loss_since_step, self.tokens_since_step = 0.0, 0.0
         return metrics
 
