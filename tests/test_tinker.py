@@ -93,6 +93,21 @@ def test_a_custom_loss_runs_in_the_client_over_forward_and_a_weighted_cross_entr
     assert custom.metrics["surrogate_loss:sum"] == pytest.approx(2 * plain, rel=1e-5)
 
 
+def test_importance_sampling_and_ppo_weigh_the_advantages_by_the_ratio_and_ppo_clips_it(client):
+    trainer, (tokens, targets) = client.create_lora_training_client(base_model="tiny-dense", rank=4).result(), \
+        (TOKENIZER("abcde")["input_ids"][:-1], TOKENIZER("abcde")["input_ids"][1:])
+    now = trainer.forward([datum("abcde")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    sampled = types.Datum(model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={
+        "target_tokens": np.array(targets, np.int64), "logprobs": (now - 0.5).astype(np.float32),  # ratio e^0.5
+        "advantages": np.array([1, -1, 1, -1], np.float32)})
+    ratio = np.exp(0.5)
+    for loss_fn, expected in [("importance_sampling", [-ratio, ratio, -ratio, ratio]),
+                              ("ppo", [-1.2, ratio, -1.2, ratio])]:  # min(r A, clip(r, 0.8, 1.2) A)
+        out = trainer.forward([sampled], loss_fn).result()
+        assert out.loss_fn_outputs[0]["elementwise_loss"].to_numpy() == pytest.approx(expected, rel=1e-5)
+        assert out.metrics["loss:sum"] == pytest.approx(sum(expected), abs=1e-4)
+
+
 def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
     data, adam = [datum(t) for t in TEXTS[:2]], types.AdamParams(learning_rate=1e-2)
     first = client.create_lora_training_client(base_model="tiny-dense", rank=4, seed=3).result()
