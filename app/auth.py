@@ -43,6 +43,7 @@ class Auth:
         self.session = self._derive("session")
         self.csrf = self._derive("csrf")
         self.report = self._derive("report")  # may register external runs, nothing else (`molt token --report`)
+        self.tinker = "tml-" + self._derive("tinker")  # the Tinker API's key (`molt token --tinker`; the SDK wants tml-)
 
     def _derive(self, purpose: str) -> str:
         return hmac.new(self.token.encode(), purpose.encode(), hashlib.sha256).hexdigest()

@@ -73,6 +73,8 @@ def main(argv=None):
                                           "only register and report runs (for MOLT_TOKEN on a training machine)")
     k.add_argument("--home", help="data directory (default $MOLT_HOME, else the user data directory)")
     k.add_argument("--report", action="store_true", help="the report token (it changes with the token)")
+    k.add_argument("--tinker", action="store_true", help="the Tinker API's key (TINKER_API_KEY for the tinker SDK, "
+                                                         "with base_url http://HOST:PORT/tinker; docs/tinker.md)")
     k.set_defaults(func=cmd_token)
 
     # `molt daemon ...` hands its arguments to the daemon's own parser (molt daemon --help lists them)
@@ -229,7 +231,8 @@ def cmd_token(args) -> int:
 
     from .auth import Auth, load_or_create_token
     token = load_or_create_token(data_home(args.home))
-    print(Auth(token).report if args.report else token)
+    auth = Auth(token)
+    print(auth.report if args.report else auth.tinker if args.tinker else token)
     return 0
 
 

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from daemon.records import Records, RunNotFound
 
-from . import eval_pages, evals, ingest, launch, pages, prometheus, rest, sweeps
+from . import eval_pages, evals, ingest, launch, pages, prometheus, rest, sweeps, tinker
 from .auth import Auth, load_or_create_token, same_origin
 from .live import OVERFLOW, Hub, daemon_message, dumps
 from .series import SeriesCache
@@ -107,6 +107,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app.include_router(launch.router)  # before pages: /runs/new is not /runs/{run_id}
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount("/tinker", tinker.mounted(records, app.state.auth))  # its own key, its own errors: docs/tinker.md
 
     @app.websocket("/ws/daemon")
     async def daemon_updates(ws: WebSocket):

@@ -1,0 +1,269 @@
+"""Tinker sessions, their models and futures: each model runs its requests one at a time in the client's seq_id
+order on a thread of its own, and is a run on the dashboard (an external run on host "tinker"), a metric a step."""
+import itertools
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy import select, update
+from sqlmodel import Session
+
+from daemon.db import add_event
+from daemon.models import ACTIVE, Attempt, Run, now
+from daemon.records import Records
+from daemon.sink import write_records
+from molt_engine.config import ELSEWHERE, RunConfig
+
+from ..ingest import finish
+from .trainer import Refused, TrainedModel, model_config
+
+HOST = "tinker"  # the runs list shows "external · tinker"
+# The SDK beats every 10 s; a session silent this long has lost its client (killed, or its machine gone)
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("MOLT_TINKER_HEARTBEAT_TIMEOUT", 60))
+KEEP_RESULTS_S = 600  # a result read by the client is dropped this long after (outputs can be large)
+
+
+class Unknown(LookupError):
+    """A session, model, sampler or request id this server process does not know (404)."""
+
+
+class Gone(Exception):
+    """The session or model has ended: the SDK stops (410)."""
+
+
+@dataclass
+class Model:
+    id: str
+    session_id: str
+    run_id: int
+    attempt_id: int
+    base_model: str
+    rank: int
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+    trained: TrainedModel | None = None
+    next_seq: int = 1
+    waiting: dict = field(default_factory=dict)     # seq_id -> (work, future): arrived before their turn
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_request: float = field(default_factory=time.time)
+    ended: str | None = None                        # why no more requests run (a stop from the dashboard)
+
+
+@dataclass
+class TinkerSession:
+    id: str
+    beat: float
+    models: list[str] = field(default_factory=list)
+    ended: bool = False
+
+
+class Service:
+    """What the API's handlers call; thread-safe. Request ids are this process's: a restarted server knows none."""
+
+    def __init__(self, records: Records):
+        self.records, self.root = records, records.home / "tinker"
+        self.sessions: dict[str, TinkerSession] = {}
+        self.models: dict[str, Model] = {}
+        self.futures: dict[str, Future] = {}
+        self.read_at: dict[str, float] = {}  # request id -> when its result was first read (kept a while for retries)
+        self.by_seq: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a re-sent request runs once
+        self.samplers: dict = {}                      # sampling session id -> sampler.Sampler
+        self.sampling = ThreadPoolExecutor(1, thread_name_prefix="tinker-sampling")
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._end_orphans()
+        threading.Thread(target=self._expire, daemon=True, name="tinker-sessions").start()
+
+    def _end_orphans(self):
+        """Runs of an earlier server process (killed, or stopped) end as failed: their sessions and futures died
+        with it. Their saved states stay, for create_training_client_from_state."""
+        with Session(self.records.engine) as s:
+            for run_id in s.scalars(select(Run.id).where(Run.host == HOST, Run.status.in_(ACTIVE))).all():
+                attempt = s.scalars(select(Attempt).where(Attempt.run_id == run_id)).first()
+                finish(s, run_id, attempt, {"status": "failed", "time": now(), "summary": None,
+                                            "error": "the server restarted: the Tinker session ended with it"})
+            s.commit()
+
+    # ---- sessions ----------------------------------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        session = TinkerSession(id=f"molt-{secrets.token_hex(6)}", beat=time.monotonic())
+        with self._lock:
+            self.sessions[session.id] = session
+        return session.id
+
+    def session(self, session_id: str) -> TinkerSession:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise Unknown(f"unknown session {session_id!r}")
+        if session.ended:
+            raise Gone(f"session {session_id} has ended")
+        return session
+
+    def heartbeat(self, session_id: str):
+        session = self.session(session_id)
+        session.beat = time.monotonic()
+        for model_id in session.models:
+            model = self.models[model_id]
+            with Session(self.records.engine) as s:
+                write_records(s.connection(), model.run_id, model.attempt_id, [], heartbeat=now())
+                s.commit()
+
+    def end_session(self, session_id: str, status: str = "completed", error: str | None = None):
+        """Its models' runs end (completed, or failed when the client said so or went silent); their saved states
+        stay on disk."""
+        session = self.sessions.get(session_id)
+        if session is None or session.ended:
+            return
+        session.ended = True
+        for model_id in session.models:
+            model = self.models[model_id]
+            model.ended = model.ended or f"session {session_id} has ended"
+            self._end_run(model, status, error)
+
+    def retrieved(self, request_id: str):
+        self.read_at.setdefault(request_id, time.monotonic())
+
+    def _expire(self):
+        while True:
+            time.sleep(min(5.0, HEARTBEAT_TIMEOUT_S / 4))
+            for request_id, read_at in list(self.read_at.items()):  # a lost answer's retry comes within seconds
+                if time.monotonic() - read_at > KEEP_RESULTS_S:
+                    self.futures.pop(request_id, None)
+                    self.read_at.pop(request_id)
+            for session in list(self.sessions.values()):
+                if not session.ended and time.monotonic() - session.beat > HEARTBEAT_TIMEOUT_S:
+                    self.end_session(session.id, "failed", f"no heartbeat from the client for "
+                                                           f"{HEARTBEAT_TIMEOUT_S:.0f}s: the session was ended")
+
+    # ---- models ------------------------------------------------------------------------------------------------
+
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None,
+                     train_attn: bool, train_mlp: bool, train_unembed: bool, then=None) -> tuple[str, str]:
+        """The model's id and the request id of its creation (and of then(model), if given: loading a state); the
+        run shows on the dashboard at once."""
+        session = self.session(session_id)
+        cfg = model_config(base_model, rank, train_attn, train_mlp, train_unembed)  # refuses an unknown base model
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.models:
+            raise Refused(f"model {model_id} exists: model_seq_id {model_seq_id} was used in this session")
+        config = RunConfig.model_validate({"env": "tinker", "model": cfg.model_dump(mode="json", exclude_unset=True)},
+                                          context=ELSEWHERE)
+        t = now()
+        with Session(self.records.engine) as s:
+            run = Run(name=f"tinker {base_model} {model_id}", tags=["tinker"], config=config.model_dump(mode="json"),
+                      total_steps=0, max_restarts=0, status="running", started_at=t, pid=os.getpid(), host=HOST,
+                      ranks=1)
+            s.add(run)
+            s.flush()
+            attempt = Attempt(run_id=run.id, number=1, pid=os.getpid(), started_at=t, heartbeat_at=t)
+            s.add(attempt)
+            s.flush()
+            add_event(s, run.id, "tinker", f"Tinker training client {model_id}: LoRA rank {rank} on {base_model}",
+                      session_id=session_id, model_id=model_id, rank=rank, seed=seed)
+            s.commit()
+            model = Model(model_id, session_id, run.id, attempt.id, base_model, rank)
+        with self._lock:
+            self.models[model_id] = model
+            session.models.append(model_id)
+
+        def build():
+            model.trained = TrainedModel(base_model, rank, seed, train_attn, train_mlp, train_unembed)
+            return then(model) if then else {"model_id": model_id, "type": "create_model"}
+        return model_id, self._start(model.executor.submit(build))
+
+    def model(self, model_id: str) -> Model:
+        model = self.models.get(model_id)
+        if model is None:
+            raise Unknown(f"unknown model {model_id!r}")
+        return model  # an ended one still takes requests, which fail in their turn (a 410 here: the SDK retries)
+
+    def submit(self, model_id: str, seq_id: int, work) -> str:
+        """Run work(trained model) in its turn: after every lower seq_id of the model (the SDK sends a
+        forward_backward's chunks in parallel, the first last). Returns the request id (the same for a seq_id sent
+        again: a retried request runs once)."""
+        model = self.model(model_id)
+        model.last_request = time.time()
+        with model.lock:
+            if (model_id, seq_id) in self.by_seq:
+                return self.by_seq[(model_id, seq_id)]
+            if seq_id < model.next_seq:
+                raise Refused(f"seq_id {seq_id} of model {model_id} has already run (next is {model.next_seq})")
+            future = Future()
+            request_id = self._start(future)
+            self.by_seq[(model_id, seq_id)] = request_id
+            model.waiting[seq_id] = (work, future)
+            while model.next_seq in model.waiting:  # hand every request whose turn has come to the model's thread
+                work, future = model.waiting.pop(model.next_seq)
+                model.executor.submit(self._run, model, work, future)
+                model.next_seq += 1
+        return request_id
+
+    def _run(self, model: Model, work, future: Future):
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            if model.ended:
+                raise Gone(model.ended)
+            future.set_result(work(model.trained))
+        except BaseException as e:  # the client reads it from its future
+            future.set_exception(e)
+
+    def _start(self, future: Future) -> str:
+        request_id = f"req-{next(self._ids)}"
+        self.futures[request_id] = future
+        return request_id
+
+    def state_path(self, tinker_path: str) -> Path:
+        """Where tinker://MODEL_ID/weights/NAME lies: under the data directory, so a restarted server still has it."""
+        model_id, kind, name = (tinker_path.removeprefix("tinker://").split("/") + ["", "", ""])[:3]
+        if not tinker_path.startswith("tinker://") or kind not in ("weights", "sampler_weights") or not name \
+                or name.startswith(".") or not model_id or model_id.startswith(".") or tinker_path.count("/") != 4:
+            raise Refused(f"{tinker_path!r} is not a state this server saved (tinker://MODEL_ID/weights/NAME or "
+                          "tinker://MODEL_ID/sampler_weights/NAME)")
+        return self.root / model_id.replace(":", "_") / kind / f"{name}.pt"
+
+    # ---- sampling ----------------------------------------------------------------------------------------------
+
+    def add_sampler(self, sampler) -> str:
+        sampler_id = f"sampler-{secrets.token_hex(6)}"
+        self.samplers[sampler_id] = sampler
+        return sampler_id
+
+    def sample(self, work) -> str:
+        """Sampling requests run beside training (a sampler is a frozen copy), in the order they came."""
+        return self._start(self.sampling.submit(work))
+
+    # ---- the dashboard -----------------------------------------------------------------------------------------
+
+    def record(self, model: Model, metrics: dict[str, float]):
+        """One optim_step's metrics, as the step's points on the run's charts. A stop asked on the dashboard ends
+        the model here: its next request fails saying so, and the run is stopped."""
+        step = model.trained.steps - 1
+        with Session(self.records.engine) as s:
+            write_records(s.connection(), model.run_id, model.attempt_id,
+                          [{"t": "metrics", "step": step, "values": metrics, "time": now()}], heartbeat=now())
+            s.execute(update(Run).where(Run.id == model.run_id).values(step=step + 1, total_steps=step + 1))
+            status = s.scalar(select(Run.status).where(Run.id == model.run_id))
+            s.commit()
+        if status == "stopping":
+            model.ended = f"run {model.run_id} was stopped from the dashboard"
+            self._end_run(model, "stopped", None)
+
+    def checkpoint(self, model: Model, path: Path, name: str):
+        with Session(self.records.engine) as s:
+            write_records(s.connection(), model.run_id, model.attempt_id, [
+                {"t": "checkpoint", "step": model.trained.steps, "path": str(path), "time": now(),
+                 "info": {"size_bytes": path.stat().st_size}},
+                {"t": "event", "kind": "tinker", "message": f"state {name!r} saved", "data": {"path": str(path)},
+                 "time": now(), "uid": f"tinker:{model.id}:{name}:{time.time_ns()}"}])
+            s.commit()
+
+    def _end_run(self, model: Model, status: str, error: str | None):
+        with Session(self.records.engine) as s:
+            attempt = s.get(Attempt, model.attempt_id)
+            finish(s, model.run_id, attempt, {"status": status, "time": now(), "summary": None, "error": error})
+            s.commit()

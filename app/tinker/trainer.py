@@ -1,0 +1,149 @@
+"""A Tinker training client's model here: a LoRA policy built by the engine, its Adam, and Tinker's built-in losses."""
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from molt_engine.config import LoraConfig, ModelConfig
+from molt_engine.logprobs import Head
+from molt_engine.models import PRESETS, load_policy
+
+# Tinker's train_attn / train_mlp / train_unembed as module names (Llama's and Qwen's, which the presets and most
+# local checkpoints use)
+ATTENTION, MLP, UNEMBED = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"], ["lm_head"]
+LORA_ALPHA = 32.0  # fixed, so that a learning rate means the same at every rank (alpha / r scales the adapters)
+LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+TEXT_PRESETS = sorted(name for name in PRESETS if name != "tiny-vlm")  # images are not served (docs/tinker.md)
+
+
+class Refused(ValueError):
+    """A request this server cannot serve as asked: the client gets a 400 (or a failed future) saying why."""
+
+
+def model_config(base_model: str, rank: int, train_attn=True, train_mlp=True, train_unembed=True) -> ModelConfig:
+    """The engine's model section for a Tinker base model: a text preset's name, or a local Hugging Face directory."""
+    if base_model in TEXT_PRESETS:
+        preset, path = base_model, None
+    elif Path(base_model).is_dir() and (Path(base_model) / "config.json").exists():
+        preset, path = None, base_model
+    else:
+        raise Refused(f"unknown base model {base_model!r}: name a preset ({', '.join(TEXT_PRESETS)}) or a local "
+                      "Hugging Face model directory on the server's machine")
+    targets = ATTENTION * train_attn + MLP * train_mlp + UNEMBED * train_unembed
+    return ModelConfig(preset=preset, path=path, lora=LoraConfig(r=rank, alpha=LORA_ALPHA, target_modules=targets))
+
+
+class TrainedModel:
+    """One training client's policy and optimizer. Not thread-safe: the API runs one request at a time per model,
+    in the order of the client's seq_ids. Gradients add up over forward_backward calls until optim_step."""
+
+    def __init__(self, base_model: str, rank: int, seed: int | None, train_attn=True, train_mlp=True,
+                 train_unembed=True):
+        self.base_model, self.rank, self.targets = base_model, rank, (train_attn, train_mlp, train_unembed)
+        self.cfg = model_config(base_model, rank, train_attn, train_mlp, train_unembed)
+        # A preset's base weights come from seed 0, whatever the adapters' seed: every client of a preset, and its
+        # sampler, share one base model
+        self.model, self.tokenizer = load_policy(self.cfg, seed=0)
+        if seed is not None:
+            torch.manual_seed(seed)
+            for module in self.model.modules():
+                if hasattr(module, "reset_lora_parameters"):
+                    module.reset_lora_parameters("default", True)
+        self.device = next(self.model.parameters()).device
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        self.head = Head(self.model, 1.0)
+        self.context = getattr(self.model.config, "max_position_embeddings", None)
+        self.steps = 0                       # optim_steps done
+        self.loss_since_step, self.tokens_since_step = 0.0, 0.0
+
+    def forward_backward(self, data: list[tuple[list[int], dict[str, np.ndarray]]], loss_fn: str,
+                         config: dict[str, float], forward_only: bool) -> tuple[list[dict], dict[str, float]]:
+        """Per datum (tokens, loss inputs): its outputs ("logprobs" and "elementwise_loss" per token) and the batch's
+        metrics. Tinker's losses are sums over tokens (weights or advantages do any normalising)."""
+        if loss_fn not in LOSSES:
+            raise Refused(f"loss_fn {loss_fn!r} is not supported here; supported: {', '.join(LOSSES)} (a custom loss "
+                          "runs in the client: forward_backward_custom)")
+        longest = max(len(tokens) for tokens, _ in data)
+        if self.context and longest > self.context:
+            raise Refused(f"a sequence of {longest} tokens is past the model's context of {self.context}")
+        for tokens, inputs in data:
+            if "target_tokens" not in inputs or len(inputs["target_tokens"]) != len(tokens):
+                raise Refused("each datum needs loss_fn_inputs['target_tokens'], one per input token")
+        ids = torch.zeros(len(data), longest, dtype=torch.long)
+        mask = torch.zeros(len(data), longest, dtype=torch.long)
+        for i, (tokens, _) in enumerate(data):
+            ids[i, :len(tokens)], mask[i, :len(tokens)] = torch.tensor(tokens), 1
+        with torch.set_grad_enabled(not forward_only):
+            states = self.head.forward(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+            outputs, total = [], 0.0
+            for i, (tokens, inputs) in enumerate(data):
+                n = len(tokens)
+                targets = torch.as_tensor(inputs["target_tokens"], dtype=torch.long, device=self.device)
+                logprobs = self.head.logprobs(states[i, :n], targets)
+                loss = self._elementwise(loss_fn, logprobs, inputs, config)
+                total = total + loss.sum()
+                outputs.append({"logprobs": logprobs.detach().float().cpu().numpy(),
+                                "elementwise_loss": loss.detach().float().cpu().numpy()})
+            if not forward_only:
+                total.backward()
+                self.loss_since_step += total.item()
+                self.tokens_since_step += float(mask.sum())
+        return outputs, {"loss:sum": float(total.detach()) if torch.is_tensor(total) else total}
+
+    def _elementwise(self, loss_fn: str, logprobs: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
+        def given(name: str) -> torch.Tensor:
+            if name not in inputs:
+                raise Refused(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{name!r}]")
+            return torch.as_tensor(np.asarray(inputs[name], dtype=np.float32), device=self.device)
+
+        if loss_fn == "cross_entropy":
+            weights = given("weights") if "weights" in inputs else torch.ones_like(logprobs)
+            return -logprobs * weights
+        ratio, advantages = torch.exp(logprobs - given("logprobs")), given("advantages")
+        if loss_fn == "importance_sampling":
+            return -ratio * advantages
+        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)  # ppo
+        return -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+
+    def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                   grad_clip_norm: float) -> dict[str, float]:
+        """One Adam step on the gradients summed since the last step; the metrics that the run's chart shows."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, grad_clip_norm if grad_clip_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        metrics = {"loss": self.loss_since_step, "grad_norm": float(norm), "learning_rate": learning_rate,
+                   "loss_per_token": self.loss_since_step / max(self.tokens_since_step, 1)}
+        self.loss_since_step, self.tokens_since_step = 0.0, 0.0
+        return metrics
+
+    def save(self, path: Path, optimizer: bool = True):
+        """The adapters (and the optimizer's moments): what load restores exactly."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        torch.save({"base_model": self.base_model, "rank": self.rank, "targets": self.targets, "steps": self.steps,
+                    "weights": {names[id(p)]: p.detach().cpu() for p in self.params},
+                    "optimizer": self.optimizer.state_dict() if optimizer else None}, path)
+
+    def load(self, path: Path, optimizer: bool):
+        state = saved(path)
+        if (state["base_model"], state["rank"], tuple(state["targets"])) != (self.base_model, self.rank, self.targets):
+            raise Refused(f"the state was saved from {state['base_model']} at rank {state['rank']} (modules "
+                          f"{state['targets']}), not {self.base_model} at rank {self.rank} ({self.targets})")
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["weights"].items():
+                params[name].copy_(value)
+        if optimizer and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.steps = state["steps"]
+
+
+def saved(path: Path) -> dict:
+    """A state that save wrote (its base model, rank and modules say which model can load it)."""
+    if not path.is_file():
+        raise Refused(f"no saved state at {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)
