@@ -110,7 +110,8 @@ class SpoolSink:
                 record["uid"] = self._uid()
             if self._fd is not None:
                 line = (json.dumps(record, default=jsonable) + "\n").encode()
-                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap:
+                # past the cap new records are dropped, never the run's end: the dashboard would wait for it forever
+                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap and record["t"] != "end":
                     if not self._dropped:
                         print(f"molt: WARNING: the spool holds {self._spooled / 2**20:.1f} MiB not yet delivered "
                               f"(its cap): new records are DROPPED until {self.what} succeeds again",
@@ -131,7 +132,8 @@ class SpoolSink:
             self._wake.wait(self.flush_every * min(2 ** min(self._failing, 10), self.backoff))
             self._wake.clear()
         deadline = time.monotonic() + self.drain_s
-        while not self._flush() and time.monotonic() < deadline:  # the last records; delivery may be slow a moment
+        # the last records (and what a delivery adds: the count of those dropped); delivery may be slow a moment
+        while not (self._flush() and not self._pending) and time.monotonic() < deadline:
             time.sleep(0.5)
         if self._fd is not None and not self._pending:
             os.close(self._fd)
@@ -167,16 +169,21 @@ class SpoolSink:
             self._failing += 1
             return False
         self._failing = 0
-        with self._lock:
-            dropped, self._dropped = self._dropped, 0
-        if dropped:
-            print(f"molt: {self.what} works again; {dropped} records were dropped", file=sys.stderr, flush=True)
-            self.event("spool_full", f"{dropped} records dropped: {self.what} failed while the spool held "
-                       f"{self.spool_cap / 2**20:.0f} MiB (its cap)", dropped=dropped)
         if beat is not None:
             self._beat_written, self._beat_write_at = beat, time.monotonic()
         if closed is not None:
             self._remove_segments(closed)
+        with self._lock:  # after the delivered segments left the spool: the event below fits in it
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            print(f"molt: {self.what} works again; {dropped} records were dropped", file=sys.stderr, flush=True)
+            told = {"t": "event", "time": time.time(), "kind": "spool_full", "data": {"dropped": dropped},
+                    "message": f"{dropped} records dropped: {self.what} failed while the spool held "
+                               f"{self.spool_cap / 2**20:g} MiB (its cap)"}
+            self._add(told, uid=True)
+            with self._lock:  # ahead of what waits: the run's end may be there, and nothing is taken after it
+                self._pending.remove(told)
+                self._pending.insert(0, told)
         return True
 
     def _remove_segments(self, upto: int):

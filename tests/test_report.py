@@ -186,3 +186,40 @@ def test_a_run_without_heartbeats_is_unreachable_not_failed_and_running_again_wh
     assert ingest(served.base, run_id, token, [], age=0.2).json()["status"] == "running"
     kinds = [e["kind"] for e in served.client.get(f"/api/v1/runs/{run_id}/events").json()]
     assert kinds == ["external", "unreachable", "reachable"], kinds
+
+
+def test_a_full_spool_warns_once_trains_on_and_says_what_it_dropped_once_the_dashboard_is_back(tmp_path, capsys):
+    """The dashboard is down for a whole run: past the spool's cap (small here, 256 MiB by default) new records are
+    dropped with one warning and training goes on to its last step; once a dashboard answers, what was kept arrives,
+    the run ends `completed` there, and the count of what was dropped is said on the terminal and as an event."""
+    from daemon.report import HttpSink
+    from molt_engine import train as train_here
+    home, port, steps = tmp_path / "home", free_port(), 10
+    home.mkdir()
+    (home / "token").write_text("spool-cap-token")  # the dashboard's token, known before it starts
+    os.chmod(home / "token", 0o600)
+    config = {**CONFIG, "loop": {**CONFIG["loop"], "steps": steps}}
+    sink = HttpSink(f"http://127.0.0.1:{port}", "spool-cap-token", config, tmp_path / "out", name="capped",
+                    spool_cap=64 * 2**10)
+    summary = train_here(config, sink, out_dir=tmp_path / "out")  # nothing listens on the port meanwhile
+    assert summary["status"] == "completed" and summary["step"] == steps, summary
+    down = capsys.readouterr().err
+    assert down.count("molt: WARNING: the spool holds") == 1, down  # once, however long it stays full
+    assert "(its cap): new records are DROPPED until report succeeds again" in down, down
+    served = Served(home, "--port", str(port))
+    try:
+        sink.end(summary["status"], summary)
+        run = external_run(served)
+        events = served.client.get(f"/api/v1/runs/{run['id']}/events").json()
+    finally:
+        served.close()
+    back = capsys.readouterr().err
+    said = [line for line in back.splitlines() if "records were dropped" in line]
+    assert len(said) == 1 and said[0].startswith("molt: report works again; "), back
+    dropped = int(said[0].split("again; ")[1].split(" ")[0])
+    assert dropped > 0 and "WARNING" not in back and "could not be reported" not in back, back
+    assert run["status"] == "completed" and run["step"] == steps, run  # its end is never dropped
+    full = [e for e in events if e["kind"] == "spool_full"]
+    assert [(e["message"], e["data"]) for e in full] == [
+        (f"{dropped} records dropped: report failed while the spool held 0.0625 MiB (its cap)", {"dropped": dropped})]
+    assert not list((tmp_path / "out").glob("report-spool-*.jsonl")), "everything kept was delivered"
