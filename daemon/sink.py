@@ -110,8 +110,10 @@ class SpoolSink:
                 record["uid"] = self._uid()
             if self._fd is not None:
                 line = (json.dumps(record, default=jsonable) + "\n").encode()
-                # past the cap new records are dropped, never the run's end: the dashboard would wait for it forever
-                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap and record["t"] != "end":
+                # past the cap new records are dropped, never the run's end (the dashboard would wait for it
+                # forever) nor the count of those dropped
+                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap and not (
+                        record["t"] == "end" or record.get("kind") == "spool_full"):
                     if not self._dropped:
                         print(f"molt: WARNING: the spool holds {self._spooled / 2**20:.1f} MiB not yet delivered "
                               f"(its cap): new records are DROPPED until {self.what} succeeds again",
@@ -120,7 +122,10 @@ class SpoolSink:
                     return
                 self._spooled += len(line)
                 os.write(self._fd, line)
-            self._pending.append(record)
+            if self._pending and self._pending[-1]["t"] == "end":  # the run's end stays last: nothing is taken after it
+                self._pending.insert(-1, record)
+            else:
+                self._pending.append(record)
 
     def _open_segment(self) -> int:
         path = self.spool_dir / f"{self.spool_prefix}-{self._segment:06d}.jsonl"
@@ -173,18 +178,18 @@ class SpoolSink:
             self._beat_written, self._beat_write_at = beat, time.monotonic()
         if closed is not None:
             self._remove_segments(closed)
-        with self._lock:  # after the delivered segments left the spool: the event below fits in it
+        self._tell_dropped(f"{self.what} works again")
+        return True
+
+    def _tell_dropped(self, now: str):
+        """Say how many records were dropped past the spool's cap, on the terminal and as an event (which the cap
+        never drops), once: when a delivery works again, or before the run's end."""
+        with self._lock:
             dropped, self._dropped = self._dropped, 0
         if dropped:
-            print(f"molt: {self.what} works again; {dropped} records were dropped", file=sys.stderr, flush=True)
-            told = {"t": "event", "time": time.time(), "kind": "spool_full", "data": {"dropped": dropped},
-                    "message": f"{dropped} records dropped: {self.what} failed while the spool held "
-                               f"{self.spool_cap / 2**20:g} MiB (its cap)"}
-            self._add(told, uid=True)
-            with self._lock:  # ahead of what waits: the run's end may be there, and nothing is taken after it
-                self._pending.remove(told)
-                self._pending.insert(0, told)
-        return True
+            print(f"molt: {now}; {dropped} records were dropped", file=sys.stderr, flush=True)
+            self.event("spool_full", f"{dropped} records dropped: {self.what} failed while the spool held "
+                       f"{self.spool_cap / 2**20:g} MiB (its cap)", dropped=dropped)
 
     def _remove_segments(self, upto: int):
         for i in range(self._committed_upto + 1, upto + 1):
