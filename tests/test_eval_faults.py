@@ -64,7 +64,6 @@ def test_an_eval_worker_on_a_full_disk_records_each_episode_with_its_sample_and_
         wait_until(lambda: not alive(running["pid"]), 120, 0.05, message="the worker's end on the full disk")
         results, samples = positions(records, eval_id)
         assert results == samples and len(results) < 256, "a row without its sample, or the reverse"
-        assert get_eval(records.engine, eval_id)["status"] == "running", "nothing recorded on a full disk"
         filler.unlink()
         final = ended(records, eval_id)
     finally:
