@@ -17,6 +17,8 @@ from .eval_records import ENDED, LIVE
 from .models import Evaluation, now
 from .slots import EVAL_ORDER, EVAL_WAITS
 
+UNRECORDED = 2  # the evaluation worker's exit status when its error could not be written either (daemon/evals.py)
+
 
 @dataclass
 class EvalWorker:
@@ -81,27 +83,30 @@ class EvalWorkers:
                 self.start(s, e, gpus)
 
     def ended(self, s: Session, eval_id: int, rc: int | None):
-        w = self.workers.pop(eval_id)
-        if w.log:
-            w.log.close()
+        """Record a worker's end. It stays watched until that is committed: a write that fails (a full disk) is
+        tried again next poll, never taken for a worker that died with the last daemon (restarted uncounted)."""
+        w = self.workers[eval_id]
         e = s.get(Evaluation, eval_id, populate_existing=True)
         if e is None:  # deleted with its run: its files too, with what the worker wrote since
             shutil.rmtree(eval_dir(self.sup.home, eval_id), ignore_errors=True)
-            return
-        cause = w.hang or ("gone (adopted: exit status unknown)" if rc is None else
-                           f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
-        error = e.last_error if rc == 1 else f"worker {cause}"  # 1: it recorded its error
-        if e.status == "stopping":
-            values = {"status": "stopped", "finished_at": now()}
-        elif e.status in ENDED:
-            return
-        elif e.restarts < e.max_restarts:
-            values = {"status": "restarting", "restarts": e.restarts + 1, "last_error": error}
-        else:
-            values = {"status": "failed", "finished_at": now(), "last_error": error}
-        s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status == e.status)
-                  .values(pid=None, **values))
-        s.commit()
+        elif e.status not in ENDED:
+            cause = w.hang or ("gone (adopted: exit status unknown)" if rc is None else
+                               f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}")
+            error = (e.last_error if rc == 1 else  # 1: it recorded its error
+                     f"worker {cause}: it could not record its error (a full disk?)" if rc == UNRECORDED
+                     else f"worker {cause}")
+            if e.status == "stopping":
+                values = {"status": "stopped", "finished_at": now()}
+            elif e.restarts < e.max_restarts:
+                values = {"status": "restarting", "restarts": e.restarts + 1, "last_error": error}
+            else:
+                values = {"status": "failed", "finished_at": now(), "last_error": error}
+            s.execute(update(Evaluation).where(Evaluation.id == eval_id, Evaluation.status == e.status)
+                      .values(pid=None, **values))
+            s.commit()
+        del self.workers[eval_id]
+        if w.log:
+            w.log.close()
 
     def start(self, s: Session, e: Evaluation, gpus: list[str]):
         if not s.execute(update(Evaluation).where(Evaluation.id == e.id, Evaluation.status == e.status).values(

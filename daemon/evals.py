@@ -16,6 +16,7 @@ from molt_engine.config import RunConfig
 from molt_engine.scores import metric_means, scores
 
 from .db import connect, data_home, eval_dir, hold_lock
+from .eval_jobs import UNRECORDED
 from .eval_records import LIVE, samples_db
 from .models import EvalResult, Evaluation, Sample, now
 
@@ -40,12 +41,18 @@ def main(argv=None) -> int:
         asyncio.run(evaluate(engine, args.eval_id, directory))
         return 0
     except Exception as e:
-        traceback.print_exc()
-        with Session(engine) as s:
-            s.execute(update(Evaluation).where(Evaluation.id == args.eval_id)
-                      .values(last_error=f"{type(e).__name__}: {e}"[:4000]))
-            s.commit()
-        return 1
+        try:
+            traceback.print_exc()
+        except OSError:  # a full disk: the database may still take the error
+            pass
+        try:
+            with Session(engine) as s:
+                s.execute(update(Evaluation).where(Evaluation.id == args.eval_id)
+                          .values(last_error=f"{type(e).__name__}: {e}"[:4000]))
+                s.commit()
+            return 1
+        except Exception:  # a full disk takes the log and the database alike: the daemon says so
+            return UNRECORDED
     finally:
         lock.close()
 

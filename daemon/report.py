@@ -67,6 +67,7 @@ class HttpSink(SpoolSink):
     def end(self, status: str, summary: dict | None = None, error: str | None = None):
         """The run's outcome (completed, stopped, tripped, failed): delivered last, then the sink closes, waiting up to
         drain_s for a dashboard that is down. What is still undelivered then stays in the spool."""
+        self._tell_dropped("the spool was full")  # before the end: the dashboard takes nothing after it
         self._add({"t": "end", "time": time.time(), "status": status, "summary": summary, "error": error})
         self.close(self.drain_s + 30)
         if self._pending:

@@ -110,7 +110,10 @@ class SpoolSink:
                 record["uid"] = self._uid()
             if self._fd is not None:
                 line = (json.dumps(record, default=jsonable) + "\n").encode()
-                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap:
+                # past the cap new records are dropped, never the run's end (the dashboard would wait for it
+                # forever) nor the count of those dropped
+                if self.spool_cap is not None and self._spooled + len(line) > self.spool_cap and not (
+                        record["t"] == "end" or record.get("kind") == "spool_full"):
                     if not self._dropped:
                         print(f"molt: WARNING: the spool holds {self._spooled / 2**20:.1f} MiB not yet delivered "
                               f"(its cap): new records are DROPPED until {self.what} succeeds again",
@@ -119,7 +122,10 @@ class SpoolSink:
                     return
                 self._spooled += len(line)
                 os.write(self._fd, line)
-            self._pending.append(record)
+            if self._pending and self._pending[-1]["t"] == "end":  # the run's end stays last: nothing is taken after it
+                self._pending.insert(-1, record)
+            else:
+                self._pending.append(record)
 
     def _open_segment(self) -> int:
         path = self.spool_dir / f"{self.spool_prefix}-{self._segment:06d}.jsonl"
@@ -131,7 +137,8 @@ class SpoolSink:
             self._wake.wait(self.flush_every * min(2 ** min(self._failing, 10), self.backoff))
             self._wake.clear()
         deadline = time.monotonic() + self.drain_s
-        while not self._flush() and time.monotonic() < deadline:  # the last records; delivery may be slow a moment
+        # the last records (and what a delivery adds: the count of those dropped); delivery may be slow a moment
+        while not (self._flush() and not self._pending) and time.monotonic() < deadline:
             time.sleep(0.5)
         if self._fd is not None and not self._pending:
             os.close(self._fd)
@@ -167,17 +174,22 @@ class SpoolSink:
             self._failing += 1
             return False
         self._failing = 0
-        with self._lock:
-            dropped, self._dropped = self._dropped, 0
-        if dropped:
-            print(f"molt: {self.what} works again; {dropped} records were dropped", file=sys.stderr, flush=True)
-            self.event("spool_full", f"{dropped} records dropped: {self.what} failed while the spool held "
-                       f"{self.spool_cap / 2**20:.0f} MiB (its cap)", dropped=dropped)
         if beat is not None:
             self._beat_written, self._beat_write_at = beat, time.monotonic()
         if closed is not None:
             self._remove_segments(closed)
+        self._tell_dropped(f"{self.what} works again")
         return True
+
+    def _tell_dropped(self, now: str):
+        """Say how many records were dropped past the spool's cap, on the terminal and as an event (which the cap
+        never drops), once: when a delivery works again, or before the run's end."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+        if dropped:
+            print(f"molt: {now}; {dropped} records were dropped", file=sys.stderr, flush=True)
+            self.event("spool_full", f"{dropped} records dropped: {self.what} failed while the spool held "
+                       f"{self.spool_cap / 2**20:g} MiB (its cap)", dropped=dropped)
 
     def _remove_segments(self, upto: int):
         for i in range(self._committed_upto + 1, upto + 1):

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlmodel import Session
 
+from conftest import wait_until
 from daemon.db import connect
 from daemon.models import Event, Metric
 from molt_engine.envs import EVAL_SEEDS
@@ -186,3 +187,54 @@ def test_a_run_without_heartbeats_is_unreachable_not_failed_and_running_again_wh
     assert ingest(served.base, run_id, token, [], age=0.2).json()["status"] == "running"
     kinds = [e["kind"] for e in served.client.get(f"/api/v1/runs/{run_id}/events").json()]
     assert kinds == ["external", "unreachable", "reachable"], kinds
+
+
+def test_a_full_spool_warns_once_trains_on_and_says_what_it_dropped_once_the_dashboard_is_back(tmp_path, capsys):
+    """The dashboard is down for a whole run: past the spool's cap (small here, 256 MiB by default) new records are
+    dropped with one warning and training goes on to its last step; once a dashboard answers, what was kept arrives,
+    the count of what was dropped is said on the terminal and as an event, and the run ends `completed` there. A run
+    that ends before any delivery works again tells its count before its end (the dashboard takes nothing after)."""
+    from daemon.report import HttpSink
+    from molt_engine import train as train_here
+    home, port, steps = tmp_path / "home", free_port(), 10
+    home.mkdir()
+    (home / "token").write_text("spool-cap-token")  # the dashboard's token, known before it starts
+    os.chmod(home / "token", 0o600)
+    config = {**CONFIG, "loop": {**CONFIG["loop"], "steps": steps}}
+    sink = HttpSink(f"http://127.0.0.1:{port}", "spool-cap-token", config, tmp_path / "out", name="capped",
+                    spool_cap=16 * 2**10)
+    summary = train_here(config, sink, out_dir=tmp_path / "out")  # nothing listens on the port meanwhile
+    assert summary["status"] == "completed" and summary["step"] == steps, summary
+    down = capsys.readouterr().err
+    assert down.count("molt: WARNING: the spool holds") == 1, down  # once, however long it stays full
+    assert "(its cap): new records are DROPPED until report succeeds again" in down, down
+    served, said = Served(home, "--port", str(port)), []
+    try:
+        wait_until(lambda: said.append(capsys.readouterr().err) or "records were dropped" in "".join(said), 60,
+                   message="the delivery working again")  # the sink's own retries, the run not ended yet
+        sink.end(summary["status"], summary)
+        run = external_run(served)
+        events = served.client.get(f"/api/v1/runs/{run['id']}/events").json()
+
+        # a second run whose records are not delivered before its end (a flush every hour)
+        late = HttpSink(served.base, "spool-cap-token", config, tmp_path / "late", name="late", flush_every=3600,
+                        spool_cap=4 * 2**10)
+        for step in range(100):
+            late.metrics(step, {"reward_mean": 0.5, "policy_loss": 0.1})
+        late.end("completed", {"step": 100})
+        late_run = [r for r in served.client.get("/api/v1/runs").json() if r["name"] == "late"][0]
+        late_events = served.client.get(f"/api/v1/runs/{late_run['id']}/events").json()
+    finally:
+        served.close()
+    back = "".join(said) + capsys.readouterr().err
+    told = [line for line in back.splitlines() if "records were dropped" in line]
+    assert len(told) == 2 and told[0].startswith("molt: report works again; "), back
+    assert told[1].startswith("molt: the spool was full; "), back
+    dropped = [int(line.split("; ")[1].split(" ")[0]) for line in told]
+    assert back.count("WARNING") == 1 and "could not be reported" not in back, back  # the late run's warning
+    assert run["status"] == "completed" and run["step"] < steps, run  # its later steps' records were dropped
+    assert late_run["status"] == "completed", late_run  # its end never dropped, nor anything sent after it
+    for got, n, cap in ((events, dropped[0], 0.015625), (late_events, dropped[1], 0.00390625)):
+        assert n > 0 and [(e["message"], e["data"]) for e in got if e["kind"] == "spool_full"] == [
+            (f"{n} records dropped: report failed while the spool held {cap:g} MiB (its cap)", {"dropped": n})], got
+    assert not list((tmp_path / "out").glob("report-spool-*.jsonl")), "everything kept was delivered"

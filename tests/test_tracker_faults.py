@@ -253,3 +253,40 @@ def test_a_graceful_daemon_stop_ends_the_tracker_run_after_its_last_step_and_the
         first = first or mlflow_run.info.run_id
         assert mlflow_run.info.run_id == first  # the resume continued the same MLflow run
         api.resume_run(run)
+
+
+@pytest.mark.slow  # a sweep's two runs and a run of two ranks on one daemon: about a minute, more on busy cores
+def test_a_sweeps_runs_and_a_two_rank_run_mirrored_to_an_mlflow_that_is_down_complete_in_one_attempt(tmp_path,
+                                                                                                   down_port):
+    from daemon.sweeps import SweepRequest
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in trackers.MLFLOW_HTTP}
+    down = {**TINY, "report": {"to": ["mlflow"], "mlflow": {"tracking_uri": f"http://127.0.0.1:{down_port}"}}}
+    api = Records(home)
+    sweep = api.queue_sweep(SweepRequest.model_validate({"name": "down", "config": down, "metric": "reward_mean",
+                                                         "params": {"algo.lr": {"values": [1e-3, 3e-3]}}}))["id"]
+    ranks = api.create_run({**down, "dist": {"nproc": 2}}, name="two-ranks")["id"]
+    with open(home / "daemon.log", "ab") as log:
+        daemon = subprocess.Popen([sys.executable, "-m", "daemon", "--home", str(home), "--poll", "0.2", "--backoff",
+                                   "0.2", "--heartbeat-timeout", "45", "--concurrency", "3"], cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT, env={**env, "PYTHONPATH": str(ROOT)})
+        try:
+            final = api.wait_run(ranks, timeout=600)
+            done = wait_until(lambda: (s := api.get_sweep(sweep))["status"] != "running" and s, 600, 0.5,
+                              message="the sweep's end")
+        finally:
+            daemon.terminate()
+            daemon.wait(60)
+    assert final["status"] == "completed", final["last_error"]
+    assert done["status"] == "completed" and len(done["points"]) == 2, done
+    assert all(p["score"] is not None for p in done["points"]), done["points"]
+    for run in [r["id"] for r in done["runs"]] + [ranks]:
+        assert len(api.attempts(run)) == 1, api.attempts(run)
+        assert api.get_run(run)["status"] == "completed"
+        told = [e["message"] for e in api.events(run, kind="tracker")]
+        # one mirror (rank 0's) told the failure and its count once; its count is the last report/dropped
+        assert len(told) == 2 and "could not start" in told[0], told
+        lost = int(told[1].split("mlflow: ")[1].split(" records not mirrored in all")[0])
+        dropped = [m["value"] for m in api.metrics(run, names=["report/dropped"])]
+        assert lost > 0 and dropped[-1] == lost, (told, dropped)
