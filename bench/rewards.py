@@ -7,16 +7,17 @@ stay near the no-judge ones when judging overlaps sampling and training: at loop
 
 Runs alternate within each pair. Prints each run's median samples/s and idle ratios over the steps after the first
 few, and the median over pairs of the with/without samples/s ratio. The judge is a real OpenAI-compatible server on
-localhost (uvicorn in a thread) that sleeps 500 ms and answers {"score": 1 if the answer holds a 9}.
+localhost (uvicorn in a process of its own) that sleeps 500 ms and answers {"score": 1 if the answer holds a 9}.
 """
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
+import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -56,11 +57,19 @@ def judge_server(latency_s: float) -> int:
         return {"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": json.dumps({"score": score})}}]}
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server.servers[0].sockets[0].getsockname()[1]
+    with socket.socket() as s:  # a free port, for the server's process to bind
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # A process of its own: in the trainer's, the server's requests would share its GIL and count as the loop's cost
+    server = multiprocessing.get_context("fork").Process(
+        target=uvicorn.run, args=(app,), kwargs={"host": "127.0.0.1", "port": port, "log_level": "warning"}, daemon=True)
+    server.start()
+    while True:  # up once it accepts a connection
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return port
+        except ConnectionRefusedError:
+            time.sleep(0.05)
 
 
 def run(config: dict) -> Rates:
