@@ -1,21 +1,23 @@
 """What reward terms cost the loop: (1) one extra function term on max_digit against none (samples/s), and (2) an
 LLM judge that takes 500 ms a call, group size 8, against no judge: the sampler's and trainer's idle ratios, which
-stay near the no-judge ones when judging overlaps sampling and training (loop.max_staleness 1).
+stay near the no-judge ones when judging overlaps sampling and training: at loop.max_staleness 1, and at
+--judge-staleness, enough versions for a 500 ms call when a step takes a fraction of that.
 
-    python bench/rewards.py [--steps 30] [--pairs 2] [--groups 8]
+    python bench/rewards.py [--steps 30] [--pairs 2] [--groups 8] [--judge-staleness 12]
 
 Runs alternate within each pair. Prints each run's median samples/s and idle ratios over the steps after the first
 few, and the median over pairs of the with/without samples/s ratio. The judge is a real OpenAI-compatible server on
-localhost (uvicorn in a thread) that sleeps 500 ms and answers {"score": 1 if the answer holds a 9}.
+localhost (uvicorn in a process of its own) that sleeps 500 ms and answers {"score": 1 if the answer holds a 9}.
 """
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
+import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -55,11 +57,19 @@ def judge_server(latency_s: float) -> int:
         return {"id": "j", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": json.dumps({"score": score})}}]}
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server.servers[0].sockets[0].getsockname()[1]
+    with socket.socket() as s:  # a free port, for the server's process to bind
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # A process of its own: in the trainer's, the server's requests would share its GIL and count as the loop's cost
+    server = multiprocessing.get_context("fork").Process(
+        target=uvicorn.run, args=(app,), kwargs={"host": "127.0.0.1", "port": port, "log_level": "warning"}, daemon=True)
+    server.start()
+    while True:  # up once it accepts a connection
+        try:
+            socket.create_connection(("127.0.0.1", port)).close()
+            return port
+        except ConnectionRefusedError:
+            time.sleep(0.05)
 
 
 def run(config: dict) -> Rates:
@@ -74,6 +84,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--groups", type=int, default=8, help="loop.groups_per_step (group size 8)")
+    p.add_argument("--judge-staleness", type=int, default=12, help="loop.max_staleness of the second judged run")
     args = p.parse_args()
     terms = Path(tempfile.mkdtemp()) / "terms.py"
     terms.write_text("def length(prompt, completion, env_reward):\n    return -len(completion) / 10\n")
@@ -85,13 +96,15 @@ def main():
     term = {**base, "rewards": {"terms": [{"name": "length", "function": "terms:length", "weight": 0.1}]}}
     port = judge_server(0.5)
     judged = {**base, "rewards": {"terms": [{"name": "judge", "weight": 0.5, "judge": {
-        "base_url": f"http://127.0.0.1:{port}/v1", "model": "judge", "concurrency": 64, "timeout_s": 10}}]}}
+        "base_url": f"http://127.0.0.1:{port}/v1", "model": "judge", "timeout_s": 10}}]}}
+    # The trainer waits unless a step's calls end within max_staleness steps: a call is 500 ms, a step here less
+    ahead = {**judged, "loop": {**base["loop"], "max_staleness": args.judge_staleness}}
     ratios = []
     for pair in range(args.pairs):
-        order = [("none", base), ("term", term), ("judge", judged)]
+        order = [("none", base), ("term", term), ("judge", judged), (f"judge staleness {args.judge_staleness}", ahead)]
         results = {name: run(config) for name, config in (order if pair % 2 == 0 else order[::-1])}
         for name, r in results.items():
-            print(f"pair {pair} {name:5s}: samples/s {r.median('samples_per_s'):7.1f}  trainer idle "
+            print(f"pair {pair} {name:18s}: samples/s {r.median('samples_per_s'):7.1f}  trainer idle "
                   f"{r.median('trainer_idle_ratio'):.2f}  sampler idle {r.median('sampler_idle_ratio'):.2f}", flush=True)
         ratios.append(results["term"].median("samples_per_s") / results["none"].median("samples_per_s"))
     print(f"one extra function term: samples/s ratio (with / without), median over pairs: {statistics.median(ratios):.3f}")

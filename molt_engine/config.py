@@ -254,7 +254,8 @@ class JudgeConfig(_Strict):
                                                 "group: a group's answers in one call, scored relative to each other")
     rubric: str = Field("Score how correct and helpful the answer is to the question.", description="the judge's "
                         "instructions (its system message); the reply format it must use is added after it")
-    concurrency: int = Field(8, gt=0, description="calls in flight at most, over the whole run")
+    concurrency: int | None = Field(None, gt=0, description="calls in flight at most, over the whole run; None = "
+                                    "no bound below the loop's own ((max_staleness + 1) x groups_per_step groups)")
     timeout_s: float = Field(30.0, gt=0, description="seconds per call before it counts as a timeout")
     retries: int = Field(1, ge=0, description="calls again after a failed, timed-out or unreadable one")
     on_error: Literal["zero", "drop"] = Field("zero", description="when every try failed: the term scores 0, or the "

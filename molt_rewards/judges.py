@@ -2,6 +2,7 @@
 then one answer (pointwise) or a group's answers (group, as RULER does) per call; bounded concurrency, a timeout and
 retries per call, failures counted, never raised."""
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -59,7 +60,9 @@ class Judge:
             if not self.local:
                 self.client = openai.AsyncOpenAI(base_url=self.cfg.base_url, api_key=self.key, max_retries=0,
                                                  timeout=self.cfg.timeout_s)
-            self.slots = asyncio.Semaphore(self.cfg.concurrency)
+            # Without a bound of its own, the loop's admission bounds the calls: a bound below the episodes in
+            # flight would queue a step's calls in waves and keep the trainer waiting beyond max_staleness
+            self.slots = asyncio.Semaphore(self.cfg.concurrency) if self.cfg.concurrency else contextlib.nullcontext()
         failed = None if self.cfg.on_error == "drop" else 0.0
         if self.cfg.mode == "group":  # one group is one prompt's answers
             answers = "".join(f"Answer {i + 1}:\n{c}\n\n" for i, (_, c, _) in enumerate(texts))
