@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -78,6 +79,23 @@ def test_refusals_name_what_is_wrong(served, client):
         trainer.forward_backward([datum("abc")], "dro").result()
     with pytest.raises(Exception, match="past the model's context of 512"):
         trainer.forward_backward([datum("x" * 600)], "cross_entropy").result()
+
+
+def test_a_request_naming_a_model_of_another_session_is_refused_naming_both(served, client):
+    trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4).result()
+    other = tinker.ServiceClient(base_url=f"{served.base}/tinker", api_key=Auth(served.token).tinker)
+    mine, theirs = client.holder.get_session_id(), other.holder.get_session_id()
+    with httpx.Client(base_url=f"{served.base}/tinker/api/v1", headers={"X-API-Key": Auth(served.token).tinker}) as api:
+        refused = api.post("/load_weights", json={"session_id": theirs, "model_id": trainer.model_id, "optimizer": False,
+                                                  "path": f"tinker://{trainer.model_id}/weights/any"})
+        assert refused.status_code == 400
+        assert refused.json()["detail"].startswith(f"model {trainer.model_id} is of session {mine}, not of session "
+                                                   f"{theirs}")
+        # a model id of a session this server does not have (one from before a restart)
+        unknown = api.post("/optim_step", json={"model_id": "molt-0123456789ab:train:0", "seq_id": 1})
+        assert unknown.status_code == 404
+        assert "its session molt-0123456789ab is not one of this server's" in unknown.json()["detail"]
+    other.close("success").result()
 
 
 def test_a_custom_loss_runs_in_the_client_over_forward_and_a_weighted_cross_entropy(client):

@@ -242,6 +242,7 @@ def create(records, auth) -> FastAPI:
             model.trained.load(path, body.optimizer)
             return {"type": "load_weights", "path": body.path, "model_id": model.id}
         if body.model_id is not None:
+            service.model(body.model_id, body.session_id)  # the SDK sends one or the other: both must agree
             return {"request_id": service.submit(body.model_id, body.seq_id or 0, lambda trained: load(
                 service.model(body.model_id))), "model_id": body.model_id}
         if body.session_id is None or body.model_seq_id is None:

@@ -121,7 +121,7 @@ class Service:
         session.ended = True
         for model_id in session.models:
             model = self.models[model_id]
-            model.ended = model.ended or f"session {session_id} has ended"
+            model.ended = model.ended or f"model {model_id}: its session {session_id} has ended"
             self._end_run(model, status, error)
 
     def retrieved(self, request_id: str):
@@ -175,10 +175,18 @@ class Service:
             return then(model) if then else {"model_id": model_id, "type": "create_model"}
         return model_id, self._start(model.executor.submit(build))
 
-    def model(self, model_id: str) -> Model:
+    def model(self, model_id: str, session_id: str | None = None) -> Model:
+        """The model; when the request names its session too, refused if the model is another session's."""
         model = self.models.get(model_id)
         if model is None:
+            owner = model_id.split(":train:")[0]
+            if ":train:" in model_id and owner not in self.sessions:  # a model id from before a restart, most likely
+                raise Unknown(f"unknown model {model_id!r}: its session {owner} is not one of this server's (sessions "
+                              "end with the server; create_training_client_from_state goes on from a saved state)")
             raise Unknown(f"unknown model {model_id!r}")
+        if session_id is not None and session_id != model.session_id:
+            raise Refused(f"model {model_id} is of session {model.session_id}, not of session {session_id}: a "
+                          "session's requests name its own models")
         return model  # an ended one still takes requests, which fail in their turn (a 410 here: the SDK retries)
 
     def submit(self, model_id: str, seq_id: int, work) -> str:
