@@ -191,6 +191,28 @@ def test_sampling_a_base_model_with_stops_log_probs_and_prompt_log_probs(client)
     assert (stopped.sequences[0].tokens, stopped.sequences[0].stop_reason) == (until, "stop")
 
 
+def test_samples_of_a_training_clients_weights_show_on_its_runs_samples_view(served, client):
+    trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4).result()
+    trainer.forward_backward([datum("abc")], "cross_entropy")
+    trainer.optim_step(types.AdamParams()).result()
+    prompt, params = TOKENIZER("hello")["input_ids"], types.SamplingParams(max_tokens=5, temperature=1.0, stop=[], seed=2)
+    drawn = trainer.save_weights_and_get_sampling_client().result().sample(
+        types.ModelInput.from_ints(prompt), 2, params).result().sequences
+    path = trainer.save_weights_for_sampler("one").result().path  # a sampling client made from a path: the same run
+    by_path = client.create_sampling_client(model_path=path).result().sample(
+        types.ModelInput.from_ints(prompt), 1, params).result().sequences
+    run = run_of(served, trainer.model_id)
+    page = served.client.get(f"/api/v1/runs/{run['id']}/samples").json()
+    assert page["total"] == 3
+    texts = ["hello" + TOKENIZER.decode(s.tokens) for s in drawn + by_path]
+    assert [(r["step"], r["kind"], r["group_id"], r["position"], r["text"]) for r in page["samples"]] == \
+        [(1, "train", 0, 0, texts[0]), (1, "train", 0, 1, texts[1]), (1, "train", 1, 2, texts[2])]
+    first = page["samples"][0]["tokens"]
+    assert first["action"] == [False] * 5 + [True] * 5 and first["logprob"][5:] == pytest.approx(drawn[0].logprobs)
+    assert served.client.get(f"/api/v1/runs/{run['id']}/samples", params={"q": texts[2]}).json()["total"] == 1
+    assert served.client.get(f"/runs/{run['id']}/samples").status_code == 200
+
+
 @pytest.mark.slow  # about 25 s: the default suite keeps the supervised acceptance
 def test_rl_in_the_cookbook_style_raises_the_mean_reward(client):
     """Groups sampled from the trainer's latest saved weights, scored (a digit: 0.5; the prompt's largest: 1),

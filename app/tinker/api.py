@@ -259,7 +259,8 @@ def create(records, auth) -> FastAPI:
             state = saved(service.state_path(model_path))
             trained = TrainedModel(state["base_model"], state["rank"], None, *state["targets"])
             trained.load(service.state_path(model_path), optimizer=False)
-            return Sampler.snapshot(trained, model_path)
+            model_id = model_path.removeprefix("tinker://").split("/")[0]  # its samples go to that model's run
+            return Sampler.snapshot(trained, model_path, model_id, state["steps"])
         if not base_model:
             raise Refused("a sampling client needs a base_model or a model_path")
         return Sampler.of_base(base_model)
@@ -284,7 +285,7 @@ def create(records, auth) -> FastAPI:
         def work(trained):
             if body.path is None:  # save_weights_and_get_sampling_client: a sampler of the weights now
                 return {"type": "save_weights_for_sampler",
-                        "sampling_session_id": service.add_sampler(Sampler.snapshot(trained))}
+                        "sampling_session_id": service.add_sampler(Sampler.snapshot(trained, model_id=model.id))}
             tinker_path = f"tinker://{model.id}/sampler_weights/{body.path}"
             trained.save(service.state_path(tinker_path), optimizer=False)
             return {"type": "save_weights_for_sampler", "path": tinker_path}
@@ -306,6 +307,7 @@ def create(records, auth) -> FastAPI:
             chosen = sampler or sampler_of(body.base_model, body.model_path)
             sequences, prompt_lp = chosen.sample(prompt, body.num_samples, params.max_tokens, params.temperature,
                                                  params.stop, params.seed, bool(body.prompt_logprobs))
+            service.record_samples(chosen, prompt, sequences, params.seed)
             return wire.sample_response(sequences, prompt_lp)
         request_id = service.sample(work)
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(body.num_samples)]}

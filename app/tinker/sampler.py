@@ -11,8 +11,10 @@ from .trainer import Refused, TrainedModel, model_config
 
 
 class Sampler:
-    def __init__(self, model, tokenizer, base_model: str, model_path: str | None = None):
+    def __init__(self, model, tokenizer, base_model: str, model_path: str | None = None, model_id: str | None = None,
+                 step: int = 0):
         self.model, self.tokenizer, self.base_model, self.model_path = model.eval(), tokenizer, base_model, model_path
+        self.model_id, self.step = model_id, step  # the training client whose weights these are, after `step` steps
         self.device = next(model.parameters()).device
 
     @classmethod
@@ -22,9 +24,11 @@ class Sampler:
         return cls(model, tokenizer, base_model)
 
     @classmethod
-    def snapshot(cls, trained: TrainedModel, model_path: str | None = None) -> "Sampler":
+    def snapshot(cls, trained: TrainedModel, model_path: str | None = None, model_id: str | None = None,
+                 step: int | None = None) -> "Sampler":
         """The training client's weights now: later steps do not change what this sampler decodes with."""
-        return cls(copy.deepcopy(trained.model), trained.tokenizer, trained.base_model, model_path)
+        return cls(copy.deepcopy(trained.model), trained.tokenizer, trained.base_model, model_path, model_id,
+                   trained.steps if step is None else step)
 
     @torch.no_grad()
     def sample(self, prompt: list[int], num_samples: int, max_tokens: int | None, temperature: float,

@@ -13,7 +13,7 @@ from sqlalchemy import select, update
 from sqlmodel import Session
 
 from daemon.db import add_event
-from daemon.models import ACTIVE, Attempt, Run, now
+from daemon.models import ACTIVE, Attempt, Run, Sample, now
 from daemon.records import Records
 from daemon.sink import write_records
 from molt_engine.config import ELSEWHERE, RunConfig
@@ -24,6 +24,8 @@ from .trainer import Refused, TrainedModel, model_config
 HOST = "tinker"  # the runs list shows "external · tinker"
 # The SDK beats every 10 s; a session silent this long has lost its client (killed, or its machine gone)
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MOLT_TINKER_HEARTBEAT_TIMEOUT", 60))
+# A loop samples many groups a step: the Samples view gets the first this many sample requests of each step
+RECORD_GROUPS = int(os.environ.get("MOLT_TINKER_RECORD_GROUPS", 8))
 KEEP_RESULTS_S = 600  # a result read by the client is dropped this long after (outputs can be large)
 
 
@@ -71,6 +73,7 @@ class Service:
         self.read_at: dict[str, float] = {}  # request id -> when its result was first read (kept a while for retries)
         self.by_seq: dict[tuple[str, int], str] = {}  # (model, seq_id) -> request id: a re-sent request runs once
         self.samplers: dict = {}                      # sampling session id -> sampler.Sampler
+        self.recorded: dict[tuple[str, int], list[int]] = {}  # (model, step) -> [groups, samples] recorded
         self.sampling = ThreadPoolExecutor(1, thread_name_prefix="tinker-sampling")
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -268,6 +271,32 @@ class Service:
                  "info": {"size_bytes": path.stat().st_size}},
                 {"t": "event", "kind": "tinker", "message": f"state {name!r} saved", "data": {"path": str(path)},
                  "time": now(), "uid": f"tinker:{model.id}:{name}:{time.time_ns()}"}])
+            s.commit()
+
+    def record_samples(self, sampler, prompt: list[int], sequences: list[dict], seed: int | None):
+        """A sample request of a training client's weights, as a group of its run's samples (kind "train") at the
+        step those weights train next. A base model's sampler, or one of a model an earlier server made, has no run."""
+        model = self.models.get(sampler.model_id or "")
+        if model is None:
+            return
+        with self._lock:
+            counts = self.recorded.setdefault((model.id, sampler.step), [0, 0])
+            group, first = counts
+            if group >= RECORD_GROUPS:
+                return
+            counts[:] = group + 1, first + len(sequences)  # positions are unique per step and kind
+        decode, rows = sampler.tokenizer.decode, []
+        for seq in sequences:
+            ids, n = prompt + seq["tokens"], len(seq["tokens"])
+            rows.append(Sample(
+                run_id=model.run_id, step=sampler.step, kind="train", position=first + len(rows),
+                group_id=group, seed=seed or 0, version=sampler.step, success=False, turns=1, tool_calls=0,
+                tool_errors=0, prompt=decode(prompt), text=decode(ids), images=[],
+                tokens={"id": ids, "text": [decode([t]) for t in ids], "action": [False] * len(prompt) + [True] * n,
+                        "logprob": [None] * len(prompt) + seq["logprobs"], "trainer_logprob": [None] * len(ids),
+                        "version": [-1] * len(prompt) + [sampler.step] * n, "entropy": [None] * len(ids)}))
+        with Session(self.records.engine) as s:
+            s.add_all(rows)
             s.commit()
 
     def _end_run(self, model: Model, status: str, error: str | None):
