@@ -86,8 +86,8 @@ def test_a_request_naming_a_model_of_another_session_is_refused_naming_both(serv
     other = tinker.ServiceClient(base_url=f"{served.base}/tinker", api_key=Auth(served.token).tinker)
     mine, theirs = client.holder.get_session_id(), other.holder.get_session_id()
     with httpx.Client(base_url=f"{served.base}/tinker/api/v1", headers={"X-API-Key": Auth(served.token).tinker}) as api:
-        refused = api.post("/load_weights", json={"session_id": theirs, "model_id": trainer.model_id, "optimizer": False,
-                                                  "path": f"tinker://{trainer.model_id}/weights/any"})
+        refused = api.post("/load_weights", json={"session_id": theirs, "model_id": trainer.model_id,
+                                                  "path": f"tinker://{trainer.model_id}/weights/any", "optimizer": False})
         assert refused.status_code == 400
         assert refused.json()["detail"].startswith(f"model {trainer.model_id} is of session {mine}, not of session "
                                                    f"{theirs}")
@@ -195,7 +195,8 @@ def test_samples_of_a_training_clients_weights_show_on_its_runs_samples_view(ser
     trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4).result()
     trainer.forward_backward([datum("abc")], "cross_entropy")
     trainer.optim_step(types.AdamParams()).result()
-    prompt, params = TOKENIZER("hello")["input_ids"], types.SamplingParams(max_tokens=5, temperature=1.0, stop=[], seed=2)
+    prompt = TOKENIZER("hello")["input_ids"]
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, stop=[], seed=2)
     drawn = trainer.save_weights_and_get_sampling_client().result().sample(
         types.ModelInput.from_ints(prompt), 2, params).result().sequences
     path = trainer.save_weights_for_sampler("one").result().path  # a sampling client made from a path: the same run

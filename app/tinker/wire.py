@@ -15,7 +15,8 @@ def _array(tensor) -> np.ndarray:
         raise Refused("sparse loss_fn_inputs are not supported here: send dense tensors")
     if tensor.dtype not in _NUMPY:
         raise Refused(f"unsupported tensor dtype {tensor.dtype} in loss_fn_inputs")
-    return np.frombuffer(tensor.dense, dtype=_NUMPY[tensor.dtype]).reshape(list(tensor.shape) or [-1])
+    # a copy: torch warns on (and must not write through) the read-only view of the message's bytes
+    return np.frombuffer(tensor.dense, dtype=_NUMPY[tensor.dtype]).reshape(list(tensor.shape) or [-1]).copy()
 
 
 def forward_backward_message(body: bytes, encoding: str | None) -> "pb.ForwardBackwardRequest":
