@@ -86,8 +86,9 @@ def test_a_request_naming_a_model_of_another_session_is_refused_naming_both(serv
     other = tinker.ServiceClient(base_url=f"{served.base}/tinker", api_key=Auth(served.token).tinker)
     mine, theirs = client.holder.get_session_id(), other.holder.get_session_id()
     with httpx.Client(base_url=f"{served.base}/tinker/api/v1", headers={"X-API-Key": Auth(served.token).tinker}) as api:
-        refused = api.post("/load_weights", json={"session_id": theirs, "model_id": trainer.model_id,
-                                                  "path": f"tinker://{trainer.model_id}/weights/any", "optimizer": False})
+        body = {"session_id": theirs, "model_id": trainer.model_id, "optimizer": False,
+                "path": f"tinker://{trainer.model_id}/weights/any"}
+        refused = api.post("/load_weights", json=body)
         assert refused.status_code == 400
         assert refused.json()["detail"].startswith(f"model {trainer.model_id} is of session {mine}, not of session "
                                                    f"{theirs}")
