@@ -28,6 +28,7 @@ def openapi(app):
     return loaded
 
 
+@pytest.mark.slow  # two minutes of fuzzing: in the slow pass, beside the other long checks
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_fuzz(case):
@@ -44,6 +45,7 @@ def test_api_fuzz(case):
     case.call_and_validate(headers={"Authorization": f"Bearer {TOKEN}"}, excluded_checks=excluded)
 
 
+@pytest.mark.slow  # with the fuzzing above
 def test_zz_fuzzing_ran(capsys):
     """The count for the report (pytest -s shows it); and proof that the fuzzing above did run."""
     assert CASES, "the fuzz test above did not run"

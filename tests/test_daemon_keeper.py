@@ -63,6 +63,7 @@ def assert_each_step_once(records: Records, run_id: int, steps: int):
     assert len(rows) == len({(r["name"], r["step"]) for r in rows})
 
 
+@pytest.mark.slow  # three daemon restarts and a run: about 40 s
 def test_serve_restarts_its_killed_daemon_each_time_health_and_metrics_say_so_and_the_run_completes(tmp_path):
     steps = 150
     with serve(tmp_path) as served:

@@ -150,6 +150,7 @@ def test_kv_budget_queues_requests_beyond_it_and_all_finish():
     assert max(cache for _, _, cache in seen) <= budget * 1e9
 
 
+@pytest.mark.slow  # three runs through a real daemon: about 25 s
 def test_daemon_gives_each_worker_its_own_gpu_and_queues_runs_until_one_frees(tmp_path):
     studio = Studio(tmp_path)
     try:

@@ -194,7 +194,7 @@ def molt_train(out, *extra):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("kills", [pytest.param(4, id="4-kills"), pytest.param(10, id="10-kills", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kills", [pytest.param(4, id="4-kills", marks=pytest.mark.slow), pytest.param(10, id="10-kills", marks=pytest.mark.slow)])
 def test_kill_9_at_random_moments_never_breaks_resume(tmp_path, kills):
     cfg_file = tmp_path / "run.json"
     # Room for every kill: an attempt trains up to ~10 steps (~60 ms each) before its kill; a run that ended early

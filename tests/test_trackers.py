@@ -153,6 +153,7 @@ def assert_each_metric_at_each_step_once(api: Records, run_id: int, found: dict,
                     [v for _, v in points], rel=1e-6, nan_ok=True), (tracker, name)
 
 
+@pytest.mark.slow  # four trackers started in one worker: about 30 s
 def test_a_daemon_run_is_mirrored_to_all_four_trackers(home, tmp_path):
     api = Records(home)
     run = api.create_run({**RUN, "report": report(tmp_path, "wandb", "mlflow", "tensorboard", "trackio")},
