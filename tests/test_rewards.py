@@ -279,6 +279,21 @@ def test_a_teacher_scores_every_sampled_token(tmp_path):
     assert "no_signal" not in sink.alerts and all(v["groups_filtered"] == 0 for v in sink.steps.values())
 
 
+
+@pytest.mark.parametrize("student", ["lora", "sampler process"])
+def test_a_teacher_teaches_a_lora_student_and_one_sampled_by_the_sampler_process(tmp_path, student):
+    """Another init's teacher (task reward weight 0): its KL is positive from the first step and alone moves the
+    student, a LoRA one on a saved base (the sampler decodes the merged weights) or one sampled in a child process."""
+    base, other = save_policy(BASE, 0, tmp_path / "base"), save_policy(BASE, 1, tmp_path / "other")
+    config = {**BASE, "rewards": {"env_weight": 0.0, "teacher": {"path": other}}}
+    if student == "lora":
+        config["model"] = {"path": base, "lora": {"r": 8}}
+    else:
+        config["loop"] = {**BASE["loop"], "sampler_process": True}
+    sink = run(config, tmp_path / "run")
+    assert [step for step in sink.steps if "teacher_kl" in sink.steps[step]] == [0, 1]
+    assert sink.steps[0]["teacher_kl"] > 0.01 and sink.steps[0]["grad_norm"] > 0
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_fresh_student_learns_max_digit_from_a_teacher_alone(tmp_path):
