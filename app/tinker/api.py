@@ -63,7 +63,7 @@ class OptimStep(Body):
     adam_params: Adam | None = None
 
 
-class SaveWeights(Body):
+class SaveWeights(Body):  # save_state's, and save_weights_for_sampler's
     model_id: str
     path: str | None = None
     seq_id: int | None = None
@@ -82,12 +82,6 @@ class SamplingSession(Body):
     session_id: str
     base_model: str | None = None
     model_path: str | None = None
-
-
-class SaveForSampler(Body):
-    model_id: str
-    path: str | None = None
-    seq_id: int | None = None
 
 
 class Params(Body):
@@ -279,7 +273,7 @@ def create(records, auth) -> FastAPI:
         return {"sampler_id": sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
     @api.post("/api/v1/save_weights_for_sampler")
-    def save_weights_for_sampler(body: SaveForSampler):
+    def save_weights_for_sampler(body: SaveWeights):
         model = service.model(body.model_id)
 
         def work(trained):
