@@ -1,5 +1,8 @@
 """Shared test helpers: wait_until (poll a condition with a deadline, never sleep-then-assert), and Debian's Chromium
 for the Playwright tests (the README's test command installs it; without it those tests fail, they never skip)."""
+import os
+import signal
+import sqlite3
 import time
 from pathlib import Path
 
@@ -36,3 +39,22 @@ def wait_until(predicate, timeout: float, interval: float = 0.1, message: str = 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {message or predicate}")
         time.sleep(interval)
+
+
+def freeze(pgids, db: Path):
+    """SIGSTOP the process groups at a moment none of them holds the SQLite database's write lock: a writer frozen
+    inside its transaction would block every other writer (the daemon, `molt daemon stop`) for as long as it is held."""
+    while True:
+        for pgid in pgids:
+            os.killpg(pgid, signal.SIGSTOP)
+        probe = sqlite3.connect(db, timeout=0, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")  # takes the write lock, or fails at once while another holds it
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            for pgid in pgids:
+                os.killpg(pgid, signal.SIGCONT)
+            time.sleep(0.01)  # a moment of the writers' own, to finish their transactions
+        finally:
+            probe.close()

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlmodel import Session
 
 from app_support import ROOT, child_env, molt, serve
-from conftest import wait_until
+from conftest import freeze, wait_until
 from daemon import eval_jobs, eval_records, supervisor
 from daemon.db import eval_dir, run_dir, set_run
 from daemon.eval_records import ENDED, EvalRequest, get_eval, queue_eval, stop_eval
@@ -284,7 +284,7 @@ def test_a_hung_eval_worker_is_killed_and_restarted_and_each_episode_recorded_on
         eval_id = queue(records, run_id, episodes=128, k=4)
         running = wait_until(lambda: (e := get_eval(records.engine, eval_id))["done"] >= 8 and e, 300, 0.05,
                              message="8 episodes recorded")
-        os.killpg(running["pid"], signal.SIGSTOP)  # hung: alive, holding its lock, but no longer beating
+        freeze([running["pid"]], records.home / "molt.db")  # hung: alive, holding its lock, but no longer beating
         final = ended(records, eval_id)
     finally:
         daemon.terminate()
@@ -325,7 +325,7 @@ def test_a_running_eval_is_adopted_by_a_new_daemon_after_a_sigkill(policy):
     eval_id = queue(records, run_id, episodes=256, k=4)
     running = wait_until(lambda: (e := get_eval(records.engine, eval_id))["done"] >= 8 and e, 300, 0.05,
                          message="8 episodes recorded")
-    os.killpg(running["pid"], signal.SIGSTOP)  # held still while the daemons change: the next one finds it running
+    freeze([running["pid"]], records.home / "molt.db")  # held still while the daemons change: the next one finds it running
     daemon.kill()  # no chance to clean up
     daemon.wait(30)
     assert alive(running["pid"]), "the worker outlives its daemon"

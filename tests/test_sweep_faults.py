@@ -14,7 +14,7 @@ from sqlalchemy import select, update
 from sqlmodel import Session
 
 from app_support import ROOT, child_env, molt, serve, web_thread
-from conftest import wait_until
+from conftest import freeze, wait_until
 from daemon.db import set_run
 from daemon.models import Event, Metric, Run, Sweep
 from daemon.records import Records
@@ -91,8 +91,7 @@ def test_a_graceful_daemon_stop_mid_sweep_leaves_it_running_and_it_completes_aft
         runs = wait_until(lambda: len(runs := records.list_runs(tag="graceful")) == 2 and all(
             r["status"] == "running" and r["step"] >= 2 and r["pid"] for r in runs) and runs, 300,
                           message="both of the sweep's runs training")
-        for run in runs:
-            os.killpg(run["pid"], signal.SIGSTOP)
+        freeze([run["pid"] for run in runs], home / "molt.db")
         if how == "molt daemon stop":
             stopper = subprocess.Popen(molt("daemon", "stop", "--home", str(home)), stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, env=child_env(home), cwd=ROOT)

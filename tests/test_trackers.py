@@ -29,6 +29,8 @@ RUN = {"env": "max_digit", "loop": {"steps": 6, "groups_per_step": 4, "group_siz
 def home(tmp_path, monkeypatch):
     """A data directory and a daemon on it; the trackers' local stores under tmp_path (the worker inherits these)."""
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    # trackio reads TRACKIO_DIR once, at its import: this process reads each test's store (an earlier test's otherwise)
+    monkeypatch.setattr("trackio.sqlite_storage.TRACKIO_DIR", tmp_path / "trackio")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     home = tmp_path / "home"
