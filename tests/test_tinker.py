@@ -7,11 +7,13 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 
 from app.auth import Auth
 from app_support import ROOT, child_env, serve
 from conftest import wait_until
+from test_eval_faults import fill
 from molt_engine.models import char_tokenizer
 
 TOKENIZER = char_tokenizer()  # the tiny presets' (one token per character)
@@ -301,3 +303,38 @@ def datum_of(ids: list[int]) -> types.Datum:
     return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
                        loss_fn_inputs={"target_tokens": np.array(ids[1:], np.int64),
                                        "weights": np.ones(len(ids) - 1, np.float32)})
+
+
+def test_a_save_on_a_full_disk_fails_its_future_saying_so_and_leaves_the_earlier_state_whole(tmp_path):
+    """The states' directory on a 16 MiB tmpfs of its own, filled: save_state's future fails with the kernel's
+    ENOSPC, nothing half-written is left, the state of that name is still the earlier one, training goes on, and
+    once room is made the same save goes through."""
+    states = tmp_path / "tinker"
+    states.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(states)], check=True)
+    try:
+        with serve(tmp_path) as served:
+            client = tinker.ServiceClient(base_url=f"{served.base}/tinker", api_key=Auth(served.token).tinker)
+            trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4, seed=1).result()
+            data, adam = [datum(t) for t in TEXTS], types.AdamParams(learning_rate=1e-3)
+
+            def step():
+                trainer.forward_backward(data, "cross_entropy")
+                trainer.optim_step(adam).result()
+            step()
+            path = trainer.save_state("kept").result().path
+            [file] = states.rglob("kept.pt")
+            step()
+            fill(states / "filler")
+            with pytest.raises(Exception, match="No space left on device"):
+                trainer.save_state("kept").result()
+            assert sorted(p.name for p in file.parent.iterdir()) == ["kept.pt"], "nothing half-written is left"
+            assert torch.load(file, weights_only=True)["steps"] == 1, "the earlier state, whole"
+            step()  # the session goes on
+            (states / "filler").unlink()
+            assert trainer.save_state("kept").result().path == path
+            assert torch.load(file, weights_only=True)["steps"] == 3
+            assert run_of(served, trainer.model_id)["status"] == "running"
+            client.close("success").result()
+    finally:
+        subprocess.run(["umount", "-l", str(states)], check=True)

@@ -1,4 +1,5 @@
 """A Tinker training client's model here: a LoRA policy built by the engine, its Adam, and Tinker's built-in losses."""
+import io
 from pathlib import Path
 
 import numpy as np
@@ -121,12 +122,20 @@ class TrainedModel:
         return metrics
 
     def save(self, path: Path, optimizer: bool = True):
-        """The adapters (and the optimizer's moments): what load restores exactly."""
+        """The adapters (and the optimizer's moments): what load restores exactly. Whole or not at all: a write that
+        fails (a full disk) leaves no file and the state of that name as it was, and the error reaches the future."""
         path.parent.mkdir(parents=True, exist_ok=True)
         names = {id(p): n for n, p in self.model.named_parameters()}
+        state = io.BytesIO()  # a few MB of adapters; torch's own file writer turns ENOSPC into an unreadable error
         torch.save({"base_model": self.base_model, "rank": self.rank, "targets": self.targets, "steps": self.steps,
                     "weights": {names[id(p)]: p.detach().cpu() for p in self.params},
-                    "optimizer": self.optimizer.state_dict() if optimizer else None}, path)
+                    "optimizer": self.optimizer.state_dict() if optimizer else None}, state)
+        partial = path.with_name(f".{path.name}.partial")  # state names never start with a dot: no state's name
+        try:
+            partial.write_bytes(state.getbuffer())
+            partial.replace(path)
+        finally:
+            partial.unlink(missing_ok=True)
 
     def load(self, path: Path, optimizer: bool):
         state = saved(path)
