@@ -183,6 +183,10 @@ class DrillsConfig(_Strict):
     env_error_rate: float = Field(0.0, ge=0, le=1, description="share of env steps that raise")
     oom_at: list[int] = Field(default_factory=list, description="steps whose update raises torch.OutOfMemoryError once")
     oom_rank: int | None = Field(None, ge=0, description="more than one process: the rank that runs out (None = all)")
+    oom_in: Literal["update", "backward"] = Field("update", description="where oom_at runs out: before the update "
+                                                  "(every rank retries at half the micro-batch), or in oom_rank's "
+                                                  "first backward while micro-batches are the config's (the attempt "
+                                                  "ends; the next starts at half)")
     full_disk_at: list[int] = Field(default_factory=list, description="steps whose checkpoint write fails with "
                                     "ENOSPC halfway (once each, remembered across restarts on disk)")
     db_full_disk_at: list[int] = Field(default_factory=list, description="steps whose first database write of "

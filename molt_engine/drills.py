@@ -38,6 +38,6 @@ def spike_gradient(drills, step: int, model):
         g.add_((n * scale).to(g.device))
 
 
-def out_of_memory(drills, step: int, rank: int) -> bool:
-    """Whether this rank runs out of memory on the first try of the step's update (oom_rank: that rank only)."""
-    return step in drills.oom_at and drills.oom_rank in (None, rank)
+def out_of_memory(drills, step: int, rank: int, where: str) -> bool:
+    """Whether this rank runs out of memory in the step's update (oom_rank: that rank only), `where` oom_in says."""
+    return step in drills.oom_at and drills.oom_rank in (None, rank) and drills.oom_in == where

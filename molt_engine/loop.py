@@ -3,6 +3,7 @@ import asyncio
 import copy
 import gc
 import importlib
+import math
 import os
 import signal
 import threading
@@ -29,8 +30,9 @@ from .scheduling import Scheduling
 from .inference.sampler_process import SamplerProcess
 from .samples import training_samples
 from .sink import NullSink, Sink
-from .update import batch_metrics, memory_metrics, train_step_fitting
+from .update import RestartSmaller, batch_metrics, memory_metrics, train_step_fitting
 
+SMALLER = "micro_batch_size"  # in the run's directory: the size the next attempt starts from (a backward's OOM)
 
 def train(config: RunConfig | dict, sink: Sink | None = None, out_dir: str | Path | None = None,
           resume: bool = False) -> dict:
@@ -149,6 +151,14 @@ class Training(Scheduling, Recovery, Evaluation):
             self.reference = (policy.merge_and_unload() if lora else policy).eval().requires_grad_(False)
         if found:
             self.restore(found)
+        # A rank's backward ran out of memory in an earlier attempt (update): every rank starts from the size it left
+        noted = self.out_dir / SMALLER if self.out_dir else None
+        smaller = dist.all_max([-float(noted.read_text()) if noted and noted.exists() else -math.inf])[0]
+        if -smaller < (self.micro_batch_size or math.inf):
+            self.micro_batch_size = int(-smaller)
+            self.sink.event("oom", f"an earlier attempt ran out of memory in a backward: micro-batches of "
+                            f"{self.micro_batch_size} episodes from step {self.step} on", step=self.step,
+                            micro_batch_size=self.micro_batch_size)
         elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
             self.sink.event("warm_start", f"{self.cfg.env} has no demonstrations: no warm start", steps=0)
         elif self.cfg.warm_start.steps:
@@ -265,10 +275,15 @@ class Training(Scheduling, Recovery, Evaluation):
             micro = self.micro_batch_size or -(-len(episodes) // self.cfg.algo.minibatches)
             checkpointing = self.plan.checkpointing(int(dist.all_max([micro * max(len(e.token_ids) for e in episodes)])[0]))
             set_checkpointing(self.model, checkpointing)
-        (metrics, weights, adv, trainer_logprobs), self.micro_batch_size = train_step_fitting(
-            self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
-            published=self.published, reference=self.reference, pad_id=self.pad_id,
-            micro_batch_size=self.micro_batch_size)
+        try:
+            (metrics, weights, adv, trainer_logprobs), self.micro_batch_size = train_step_fitting(
+                self.model, self.optimizer, groups, self.cfg, step=self.step, breaker=self.breaker,
+                published=self.published, reference=self.reference, pad_id=self.pad_id,
+                micro_batch_size=self.micro_batch_size)
+        except RestartSmaller as e:  # for the next attempt (prepare): the checkpoints still say the size that failed
+            if self.out_dir:
+                (self.out_dir / SMALLER).write_text(str(e.size))
+            raise
         metrics.update(memory_metrics(next(self.model.parameters()).device), gradient_checkpointing=float(bool(checkpointing)))
         samples = training_samples(groups, adv, trainer_logprobs, self.cfg.record.samples_per_step, self.processor,
                                    self.version)

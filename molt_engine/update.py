@@ -21,23 +21,23 @@ def train_step_fitting(model, optimizer, groups: list[list[Episode]], cfg, *, st
     runs out of memory (`drills.oom_at`: its first try does). Returns train_step's results and the size that fit.
     More than one process: the ranks agree on running out in a forward (_agreed_memory), so all of them retry
     together; so do they in an optimizer step. One that runs out in a backward (the others are in its collectives)
-    raises at once: its exit ends the attempt (torchrun stops the others), not the group's timeout, and the restart
-    starts from half the size (loop.Training.update records it)."""
+    raises RestartSmaller at once: its exit ends the attempt (torchrun stops the others), not the group's timeout,
+    and the restart starts from half the size (loop.Training notes it in the run's directory)."""
     first_try = True
     while True:
         results, error = None, None
         try:
-            if first_try and dist.any_rank(drills.out_of_memory(cfg.drills, step, dist.rank())):
+            if first_try and dist.any_rank(drills.out_of_memory(cfg.drills, step, dist.rank(), "update")):
                 raise _Agreed(f"drills.oom_at: out of memory injected at step {step}")
             results = train_step(model, optimizer, groups, cfg, step=step, published=published,
                                  micro_batch_size=micro_batch_size, **kwargs)
         except torch.OutOfMemoryError as e:
-            if dist.world() > 1 and not isinstance(e, _Agreed):
-                raise
             error = e
+        largest = micro_batch_size or sum(len(g) for g in groups)
+        if error is not None and dist.world() > 1 and not isinstance(error, _Agreed):
+            raise (RestartSmaller(largest // 2) if largest > 1 else error) from error
         if not dist.any_rank(error is not None):
             return results, micro_batch_size
-        largest = micro_batch_size or sum(len(g) for g in groups)
         if largest == 1:
             raise error
         # As after a breaker trip, Adam's moments keep what optimizer steps before the error added.
@@ -113,6 +113,9 @@ def train_step(model, optimizer, groups: list[list[Episode]], cfg, *, step: int,
             loss = loss * (real * int(mask.sum()) / max(part.action_tokens, 1))  # the token mean over the minibatch
             if first and k == 0:
                 loss = drills.poison_loss(cfg.drills, step, loss)
+                if micro_batch_size == algo.micro_batch_size and drills.out_of_memory(cfg.drills, step, dist.rank(),
+                                                                                      "backward"):
+                    raise torch.OutOfMemoryError(f"drills.oom_at: out of memory injected in a backward at step {step}")
             (loss + coef * real * aux / len(part.keeps)).backward()
             dist.mark()
             weight = real * int(mask.sum()) / max(part.kept_tokens, 1)  # metrics: token means over the minibatch
@@ -172,6 +175,14 @@ class _Minibatch:
         """Repeat the first micro-batch (weighted 0 in the loss) until there are `count`."""
         extra = count - len(self.batches)
         self.batches, self.advs, self.prox = (x + x[:1] * extra for x in (self.batches, self.advs, self.prox))
+
+
+class RestartSmaller(torch.OutOfMemoryError):
+    """This rank ran out of memory in a backward: the attempt ends, and the next starts from micro-batches of `size`."""
+    def __init__(self, size: int):
+        super().__init__(f"out of memory in a backward on rank {dist.rank()}: the next attempt takes micro-batches "
+                         f"of {size} episodes")
+        self.size = size
 
 
 class _Agreed(torch.OutOfMemoryError):

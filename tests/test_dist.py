@@ -143,6 +143,29 @@ def test_sigkill_of_one_rank_restarts_the_attempt_from_the_checkpoint_and_loses_
 
 
 @pytest.mark.slow
+def test_an_out_of_memory_in_one_ranks_backward_ends_the_attempt_and_the_next_trains_at_half_the_micro_batch(
+        tmp_path):
+    """Rank 1 runs out in its first backward of step 3 (a real torch.OutOfMemoryError, while rank 0 waits in the
+    backward's all-reduce): the attempt ends naming it, and the next attempt starts from half the micro-batch (the
+    drill fires again at the config's size: without the note it would, until the restarts run out)."""
+    cfg = daemon_config(6, dist={"nproc": 2}, algo={"micro_batch_size": 4},
+                        drills={"oom_at": [3], "oom_rank": 1, "oom_in": "backward"})
+    studio = Studio(tmp_path / "home")
+    try:
+        run = studio.api.create_run(cfg)["id"]
+        studio.start_daemon()
+        final = studio.api.wait_run(run, timeout=START + 300)
+        attempts = studio.api.attempts(run)
+        assert final["status"] == "completed", final["last_error"]
+        assert len(attempts) == 2 and "out of memory in a backward on rank 1" in attempts[0]["cause"], attempts
+        [oom] = studio.api.events(run, kind="oom")
+        assert oom["data"]["micro_batch_size"] == 2 and oom["data"]["step"] == attempts[1]["start_step"] <= 3
+        assert_each_step_once(studio.api, run, 6)
+    finally:
+        studio.close()
+
+
+@pytest.mark.slow
 def test_two_ranks_learn_max_digit(tmp_path):
     """`molt train --nproc 2` on max_digit (each rank 8 of the 16 groups a step): the greedy eval on 64 held-out
     prompts reaches 0.9."""
