@@ -11,6 +11,7 @@ import torch
 from tinker import types
 
 from app.auth import Auth
+from app.tinker.sampler import Sampler
 from app_support import ROOT, child_env, serve
 from conftest import wait_until
 from test_eval_faults import fill
@@ -77,8 +78,8 @@ def test_refusals_name_what_is_wrong(served, client):
     with pytest.raises(Exception, match="unknown base model 'no-such-model'"):
         client.create_lora_training_client(base_model="no-such-model", rank=4).result()
     trainer = client.create_lora_training_client(base_model="tiny-dense", rank=4).result()
-    with pytest.raises(Exception, match="loss_fn 'dro' is not supported here"):
-        trainer.forward_backward([datum("abc")], "dro").result()
+    with pytest.raises(Exception, match="loss_fn 'stable_reinforce' is not supported here.*record_stability_info"):
+        trainer.forward_backward([datum("abc")], "stable_reinforce").result()
     with pytest.raises(Exception, match="past the model's context of 512"):
         trainer.forward_backward([datum("x" * 600)], "cross_entropy").result()
 
@@ -127,6 +128,24 @@ def test_importance_sampling_and_ppo_weigh_the_advantages_by_the_ratio_and_ppo_c
         out = trainer.forward([sampled], loss_fn).result()
         assert out.loss_fn_outputs[0]["elementwise_loss"].to_numpy() == pytest.approx(expected, rel=1e-5)
         assert out.metrics["loss:sum"] == pytest.approx(sum(expected), abs=1e-4)
+
+
+def test_cispo_dro_and_gspo_run_through_the_sdk_with_per_token_outputs(client):
+    trainer, (tokens, targets) = client.create_lora_training_client(base_model="tiny-dense", rank=4).result(), \
+        (TOKENIZER("abcde")["input_ids"][:-1], TOKENIZER("abcde")["input_ids"][1:])
+    now = trainer.forward([datum("abcde")], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    advantages = np.array([1, -1, 1, -1], np.float32)
+    sampled = {"target_tokens": np.array(targets, np.int64), "logprobs": (now - 0.5).astype(np.float32),  # ratio e^0.5
+               "advantages": advantages, "sequence_ratio_mask": np.array([0, 1, 1, 1], np.float32)}
+    ratio = np.exp(0.5)  # the sequence's ratio too (every token's log-ratio is 0.5), clipped to 1.2
+    for loss_fn, config, expected in [("cispo", None, -1.2 * now * advantages),
+                                      ("dro", {"beta": 0.1}, -(now * advantages - 0.05 * 0.25)),
+                                      ("gspo", None, [-1.2, ratio, -1.2, ratio])]:
+        out = trainer.forward_backward([types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                                                    loss_fn_inputs=sampled)], loss_fn, config).result()
+        assert out.loss_fn_outputs[0]["logprobs"].to_numpy() == pytest.approx(now, abs=1e-5)
+        assert out.loss_fn_outputs[0]["elementwise_loss"].to_numpy() == pytest.approx(expected, rel=1e-4), loss_fn
+        assert out.metrics["loss:sum"] == pytest.approx(np.sum(expected), abs=1e-4)
 
 
 def test_a_state_saved_with_its_optimizer_goes_on_exactly(served, client):
@@ -192,6 +211,30 @@ def test_sampling_a_base_model_with_stops_log_probs_and_prompt_log_probs(client)
     stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0, stop=[tokens[-1]])).result()
     until = tokens[:tokens.index(tokens[-1]) + 1]  # the first time the stop token comes, included
     assert (stopped.sequences[0].tokens, stopped.sequences[0].stop_reason) == (until, "stop")
+
+
+def test_top_k_and_top_p_sample_from_the_most_likely_tokens_with_their_renormalised_log_probs(client):
+    sampler = client.create_sampling_client(base_model="tiny-dense").result()
+    prompt = TOKENIZER("hello")["input_ids"]
+
+    def sample(**params):
+        return sampler.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(
+            max_tokens=6, stop=[], seed=3, **params)).result().sequences
+    greedy = sample(temperature=0.0)[0].tokens
+    assert [s.tokens for s in sample(temperature=1.0, top_k=1)] == [greedy] * 2
+    assert [s.tokens for s in sample(temperature=1.0, top_p=1e-6)] == [greedy] * 2
+    # top_k=3: each token is one of the 3 most likely after its prefix, and its log-prob is over those 3 alone
+    model = Sampler.of_base("tiny-dense").model  # the server's base weights (seed 0)
+    for seq in sample(temperature=1.0, top_k=3):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + seq.tokens])).logits[0, len(prompt) - 1:-1].float()
+        top = logits.topk(3, -1)
+        assert all(t in ids for t, ids in zip(seq.tokens, top.indices.tolist()))
+        top_lp = torch.log_softmax(top.values, -1)
+        expected = [top_lp[i, ids.index(t)].item() for i, (t, ids) in enumerate(zip(seq.tokens, top.indices.tolist()))]
+        assert seq.logprobs == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(Exception, match="top_k must be -1 .all tokens. or at least 1, and top_p in"):
+        sample(temperature=1.0, top_p=0.0)
 
 
 def test_samples_of_a_training_clients_weights_show_on_its_runs_samples_view(served, client):

@@ -287,8 +287,6 @@ def create(records, auth) -> FastAPI:
 
     @api.post("/api/v1/asample")
     def asample(body: Sample):
-        if body.sampling_params.top_k != -1 or body.sampling_params.top_p != 1.0:
-            raise Refused("top_k and top_p are not supported here (temperature is)")
         sampler = service.samplers.get(body.sampling_session_id) if body.sampling_session_id else None
         if body.sampling_session_id and sampler is None:
             raise Unknown(f"unknown sampling session {body.sampling_session_id!r}")
@@ -300,7 +298,8 @@ def create(records, auth) -> FastAPI:
         def work():
             chosen = sampler or sampler_of(body.base_model, body.model_path)
             sequences, prompt_lp = chosen.sample(prompt, body.num_samples, params.max_tokens, params.temperature,
-                                                 params.stop, params.seed, bool(body.prompt_logprobs))
+                                                 params.stop, params.seed, bool(body.prompt_logprobs),
+                                                 params.top_k, params.top_p)
             service.record_samples(chosen, prompt, sequences, params.seed)
             return wire.sample_response(sequences, prompt_lp)
         request_id = service.sample(work)

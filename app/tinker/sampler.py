@@ -32,11 +32,16 @@ class Sampler:
 
     @torch.no_grad()
     def sample(self, prompt: list[int], num_samples: int, max_tokens: int | None, temperature: float,
-               stop, seed: int | None, prompt_logprobs: bool) -> tuple[list[dict], np.ndarray | None]:
-        """Sequences {tokens, logprobs (at the temperature: what importance sampling compares), stop}; and the
-        prompt's log-probs if asked (the first is NaN: no token comes before it)."""
+               stop, seed: int | None, prompt_logprobs: bool, top_k: int = -1,
+               top_p: float = 1.0) -> tuple[list[dict], np.ndarray | None]:
+        """Sequences {tokens, logprobs, stop}; and the prompt's log-probs if asked (the first is NaN: no token comes
+        before it). The log-probs are those of the distribution sampled from (at the temperature, cut to top_k and
+        top_p, renormalised): what importance sampling compares."""
         if not prompt:
             raise Refused("sample: an empty prompt")
+        if top_k == 0 or top_k < -1 or not 0 < top_p <= 1:
+            raise Refused(f"sample: top_k must be -1 (all tokens) or at least 1, and top_p in (0, 1]; got top_k "
+                          f"{top_k}, top_p {top_p}")
         context = getattr(self.model.config, "max_position_embeddings", None) or 1 << 30
         max_tokens = min(max_tokens or 64, context - len(prompt))
         if max_tokens < 0:
@@ -52,7 +57,7 @@ class Sampler:
         sequences = [{"tokens": [], "logprobs": [], "stop": False} for _ in range(num_samples)]
         logits, past, live = out.logits[:, -1].float(), out.cache, torch.ones(num_samples, dtype=torch.bool)
         for _ in range(max_tokens):
-            logp = torch.log_softmax(logits / temperature if temperature > 0 else logits, -1)
+            logp = torch.log_softmax(truncated(logits / temperature if temperature > 0 else logits, top_k, top_p), -1)
             token = logp.argmax(-1) if temperature <= 0 else torch.multinomial(logp.exp(), 1, generator=generator)[:, 0]
             chosen = logp.gather(-1, token[:, None])[:, 0]
             for i in torch.nonzero(live).flatten().tolist():
@@ -75,3 +80,15 @@ class Sampler:
         if isinstance(stop, str):
             return set(), [stop]
         return {s for s in stop if isinstance(s, int)}, [s for s in stop if isinstance(s, str)]
+
+
+def truncated(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The logits with those outside the top_k tokens, or outside the fewest most likely tokens whose probability
+    reaches top_p, set to -inf (-1 and 1: no cut). Ties with the k-th token stay."""
+    if 0 < top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[..., -1:], float("-inf"))
+    if top_p < 1:
+        probs, order = logits.softmax(-1).sort(-1, descending=True)
+        beyond = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches top_p
+        logits = logits.masked_fill(beyond.scatter(-1, order, beyond), float("-inf"))
+    return logits

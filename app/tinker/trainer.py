@@ -13,7 +13,9 @@ from molt_engine.models import PRESETS, load_policy
 # local checkpoints use)
 ATTENTION, MLP, UNEMBED = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"], ["lm_head"]
 LORA_ALPHA = 32.0  # fixed, so that a learning rate means the same at every rank (alpha / r scales the adapters)
-LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+# Tinker's built-in losses, as its docs define them. Not stable_reinforce: it needs what the hosted sampler records
+# for it ("stability info", named by sequence_id), and Tinker publishes neither that nor the loss
+LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 TEXT_PRESETS = sorted(name for name in PRESETS if name != "tiny-vlm")  # images are not served (docs/tinker.md)
 
 
@@ -63,8 +65,10 @@ class TrainedModel:
         """Per datum (tokens, loss inputs): its outputs ("logprobs" and "elementwise_loss" per token) and the batch's
         metrics. Tinker's losses are sums over tokens (weights or advantages do any normalising)."""
         if loss_fn not in LOSSES:
+            why = ("; stable_reinforce needs what Tinker's sampler records for it (record_stability_info), and "
+                   "Tinker publishes neither that nor the loss" if loss_fn == "stable_reinforce" else "")
             raise Refused(f"loss_fn {loss_fn!r} is not supported here; supported: {', '.join(LOSSES)} (a custom loss "
-                          "runs in the client: forward_backward_custom)")
+                          f"runs in the client: forward_backward_custom){why}")
         longest = max(len(tokens) for tokens, _ in data)
         if self.context and longest > self.context:
             raise Refused(f"a sequence of {longest} tokens is past the model's context of {self.context}")
@@ -82,7 +86,7 @@ class TrainedModel:
                 n = len(tokens)
                 targets = torch.as_tensor(inputs["target_tokens"], dtype=torch.long, device=self.device)
                 logprobs = self.head.logprobs(states[i, :n], targets)
-                loss = self._elementwise(loss_fn, logprobs, inputs, config)
+                loss = elementwise_loss(loss_fn, logprobs, inputs, config)
                 total = total + loss.sum()
                 outputs.append({"logprobs": logprobs.detach().float().cpu().numpy(),
                                 "elementwise_loss": loss.detach().float().cpu().numpy()})
@@ -91,21 +95,6 @@ class TrainedModel:
                 self.loss_since_step += total.item()
                 self.tokens_since_step += float(mask.sum())
         return outputs, {"loss:sum": float(total.detach()) if torch.is_tensor(total) else total}
-
-    def _elementwise(self, loss_fn: str, logprobs: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
-        def given(name: str) -> torch.Tensor:
-            if name not in inputs:
-                raise Refused(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{name!r}]")
-            return torch.as_tensor(np.asarray(inputs[name], dtype=np.float32), device=self.device)
-
-        if loss_fn == "cross_entropy":
-            weights = given("weights") if "weights" in inputs else torch.ones_like(logprobs)
-            return -logprobs * weights
-        ratio, advantages = torch.exp(logprobs - given("logprobs")), given("advantages")
-        if loss_fn == "importance_sampling":
-            return -ratio * advantages
-        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)  # ppo
-        return -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
 
     def optim_step(self, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_clip_norm: float) -> dict[str, float]:
@@ -156,3 +145,40 @@ def saved(path: Path) -> dict:
     if not path.is_file():
         raise Refused(f"no saved state at {path}")
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def elementwise_loss(loss_fn: str, logprobs: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
+    """A datum's per-token loss under one of Tinker's built-in losses (LOSSES), from the learner's log-probs of its
+    target tokens, its loss_fn_inputs and the request's loss_fn_config. The request's loss is this summed."""
+    def given(name: str) -> torch.Tensor:
+        if name not in inputs:
+            raise Refused(f"loss_fn {loss_fn!r} needs loss_fn_inputs[{name!r}]")
+        values = np.asarray(inputs[name], dtype=np.float32)
+        if values.shape != tuple(logprobs.shape):
+            raise Refused(f"loss_fn_inputs[{name!r}] has shape {values.shape}: one value per target token, "
+                          f"{tuple(logprobs.shape)}")
+        return torch.as_tensor(values, device=logprobs.device)
+
+    if loss_fn == "cross_entropy":
+        weights = given("weights") if "weights" in inputs else torch.ones_like(logprobs)
+        return -logprobs * weights
+    sampled, advantages = given("logprobs"), given("advantages")  # the sampler's log-probs q
+    if loss_fn == "dro":  # no ratio: the log-prob weighed by the advantage, less a quadratic penalty on log(p/q)
+        if "beta" not in config:
+            raise Refused("loss_fn 'dro' needs loss_fn_config['beta'] (the weight of its quadratic penalty)")
+        return -(logprobs * advantages - 0.5 * config["beta"] * (logprobs - sampled) ** 2)
+    if loss_fn == "gspo":  # GSPO-token: every token's ratio has the sequence's value (the geometric mean of the
+        # ratios over the tokens sequence_ratio_mask marks) and the gradient of its own log-prob
+        marked = given("sequence_ratio_mask") != 0
+        if not marked.any():
+            raise Refused("loss_fn 'gspo': a datum's sequence_ratio_mask marks no token")
+        sequence = (logprobs.detach() - sampled)[marked].mean()
+        ratio = torch.exp(sequence + logprobs - logprobs.detach())
+    else:
+        ratio = torch.exp(logprobs - sampled)
+    if loss_fn == "importance_sampling":
+        return -ratio * advantages
+    clipped = ratio.clamp(config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2))
+    if loss_fn == "cispo":  # the clipped ratio, held constant, weighs the log-prob's gradient
+        return -clipped.detach() * logprobs * advantages
+    return -torch.minimum(ratio * advantages, clipped * advantages)  # ppo, gspo
