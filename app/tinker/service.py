@@ -2,6 +2,7 @@
 order on a thread of its own, and is a run on the dashboard (an external run on host "tinker"), a metric a step. A
 model holds one of the daemon's slots (daemon/slots.py): it waits `queued` in the line until its turn."""
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -23,6 +24,7 @@ from molt_engine.config import ELSEWHERE, RunConfig
 from ..ingest import finish
 from .trainer import Refused, TrainedModel, model_config
 
+log = logging.getLogger("molt.app")
 HOST = TINKER  # the runs list shows "external · tinker"
 # The SDK beats every 10 s; a session silent this long has lost its client (killed, or its machine gone)
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MOLT_TINKER_HEARTBEAT_TIMEOUT", 60))
@@ -137,8 +139,10 @@ class Service:
             model = self.models[model_id]
             with self._turns:  # not while its turn is being given: it ends queued, or ends running
                 model.ended = model.ended or f"model {model_id}: its session {session_id} has ended"
-                if model.admitted.is_set():
+                if model.attempt_id is not None:
                     self._end_run(model, status, error)
+                    continue
+                if model.admitted.is_set():  # stopped from the dashboard while it waited: ended already
                     continue
                 model.admitted.set()  # its creation fails with model.ended
                 with Session(self.records.engine) as s:  # it leaves the queue, having held no slot
@@ -202,7 +206,10 @@ class Service:
         while True:  # a daemon run's end frees a slot without telling this process: look twice a second
             time.sleep(0.5)
             if any(not m.admitted.is_set() for m in list(self.models.values())):
-                self._admit()
+                try:
+                    self._admit()
+                except Exception:  # e.g. the database busy: the next look tries again, this thread must not die
+                    log.exception("starting the waiting Tinker training clients failed")
 
     def _admit(self):
         """Start the waiting models whose turn has come by the slot rule (daemon/slots.py: the line in id order,
