@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -333,10 +334,11 @@ def test_a_daemon_run_waits_for_the_slot_a_training_client_holds_until_its_sessi
     queued = one_slot.create(LONG, name="after-tinker")
     assert note_of(one_slot, queued["id"]) == (f"1st in line; 1 slot (concurrency 1) held by run #{holder['id']} "
                                                f"'{holder['name']}'")
-    for _ in range(3):  # the daemon polls twice a second meanwhile: it must start nothing
-        trainer.forward_backward([datum("abc")], "cross_entropy")
-        trainer.optim_step(types.AdamParams()).result()
-    assert status_of(one_slot, queued["id"]) == "queued"
+    trainer.forward_backward([datum("abc")], "cross_entropy")
+    trainer.optim_step(types.AdamParams()).result()
+    submitted = time.time()  # the daemon touches its lock file at every poll (twice a second): a few polls go by
+    wait_until(lambda: (one_slot.home / "daemon.lock").stat().st_mtime > submitted + 1.5, timeout=30)
+    assert status_of(one_slot, queued["id"]) == "queued"  # it started nothing meanwhile
     service.close("success").result()
     assert run_of(one_slot, trainer.model_id)["status"] == "completed"
     wait_until(lambda: status_of(one_slot, queued["id"]) == "running", timeout=30, message="the daemon starts it")
