@@ -107,7 +107,8 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app.include_router(launch.router)  # before pages: /runs/new is not /runs/{run_id}
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    app.mount("/tinker", tinker.mounted(records, app.state.auth))  # its own key, its own errors: docs/tinker.md
+    # its own key, its own errors (docs/tinker.md); its training clients share the daemon's slots
+    app.mount("/tinker", tinker.mounted(records, app.state.auth, concurrency))
 
     @app.websocket("/ws/daemon")
     async def daemon_updates(ws: WebSocket):

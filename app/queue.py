@@ -1,5 +1,6 @@
-"""The queue as the daemon's slot rule (daemon/slots.py) sees it: queued local runs in id order, then the waiting
-evaluations (restarts first); the slots are held by the active local runs and the running evaluations."""
+"""The queue as the daemon's slot rule (daemon/slots.py) sees it: queued local runs and Tinker training clients in id
+order, then the waiting evaluations (restarts first); the slots are held by the active ones and the running
+evaluations."""
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 

@@ -19,7 +19,7 @@ from .db import FIRST_BEAT_S, add_daemon_event, add_event, connect, data_home, h
 from .models import ACTIVE, OUTCOMES, Attempt, Run, now
 from .restarts import decide
 from .sink import replay_spools
-from .slots import RUN_HOLDS_A_SLOT, RUN_WAITS
+from .slots import runs_held, turn
 from .sweep_tick import tick_sweeps
 from .worker import DUPLICATE
 
@@ -274,21 +274,23 @@ class Supervisor:
             for run in due:
                 if not self.refused(s, run, "restarting") and self.gpus_needed(run) <= len(self.free_gpus()):
                     self.start(s, run)
-            free = self.free_slots(s)
-            if free > 0:  # an external run is never started here (it resumes on its own machine)
-                for run in s.scalars(select(Run).where(RUN_WAITS).order_by(Run.id).limit(free)).all():
-                    if self.refused(s, run, "queued"):
-                        continue
-                    if self.gpus_needed(run) > len(self.free_gpus()):
-                        break
-                    self.start(s, run)
+            # The first free waiting runs, in id order: a Tinker client among them is the web process's to start
+            # (app/tinker), its slot kept for it; an external run is never started here (it resumes on its machine).
+            for run_id, host in turn(s, self.concurrency - runs_held(s) - len(self.evals.workers)):
+                run = s.get(Run, run_id)
+                if host is not None or self.refused(s, run, "queued"):
+                    continue
+                if self.gpus_needed(run) > len(self.free_gpus()):
+                    break
+                self.start(s, run)
 
     def free_slots(self, s: Session) -> int:
         """The slot rule, for runs and evaluations alike: `concurrency` workers at once, a slot per active run of this
-        daemon and per evaluation worker. External runs hold none: they train elsewhere (one whose process died
-        must not block this daemon's work)."""
-        local = s.scalar(select(func.count()).where(RUN_HOLDS_A_SLOT))
-        return self.concurrency - local - len(self.evals.workers)
+        daemon, per Tinker training client (active, or waiting whose turn has come: the web process starts it) and
+        per evaluation worker. Other external runs hold none: they train elsewhere (one whose process died must not
+        block this daemon's work)."""
+        free = self.concurrency - runs_held(s) - len(self.evals.workers)
+        return free - sum(host is not None for _, host in turn(s, free))
 
     def refused(self, s: Session, run: Run, status: str) -> bool:
         """A run that could never start on this daemon (e.g. a restart after the daemon came back without its Ray

@@ -2,6 +2,8 @@
 import json
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -11,8 +13,10 @@ import torch
 from tinker import types
 
 from app.auth import Auth
+from app.queue import queue_notes
 from app.tinker.sampler import Sampler
 from app_support import ROOT, child_env, serve
+from daemon.records import Records
 from conftest import wait_until
 from test_eval_faults import fill
 from molt_engine.models import char_tokenizer
@@ -25,7 +29,8 @@ TEXTS = ["the cat sat on the mat", "molt studio trains agents", "hello world aga
 def served(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")  # a tiny model: more threads only contend (30 steps: 3 s, not 40)
-        with serve(tmp_path_factory.mktemp("home")) as s:
+        # slots enough for every training client of the module's session (each holds one while the session lives)
+        with serve(tmp_path_factory.mktemp("home"), "--concurrency", "64") as s:
             yield s
 
 
@@ -331,7 +336,7 @@ def test_a_killed_client_is_ended_by_its_heartbeats_and_a_killed_server_keeps_it
             served.proc.wait()
             proc.kill()
             proc.wait()
-        with serve(tmp_path) as again:
+        with serve(tmp_path, "--concurrency", "2") as again:  # two restored clients in one session
             client = tinker.ServiceClient(base_url=f"{again.base}/tinker", api_key=Auth(again.token).tinker)
             for saved in (first, second):
                 restored = client.create_training_client_from_state_with_optimizer(saved["path"]).result()
@@ -381,3 +386,79 @@ def test_a_save_on_a_full_disk_fails_its_future_saying_so_and_leaves_the_earlier
             client.close("success").result()
     finally:
         subprocess.run(["umount", "-l", str(states)], check=True)
+
+
+# ---- scheduling: a training client holds one of the daemon's slots, in line with its runs ------------------------
+
+LONG = {"env": "max_digit", "loop": {"steps": 100000, "groups_per_step": 2, "group_size": 2, "eval_every": 0},
+        "warm_start": {"steps": 0}, "checkpoint": {"every": 0}}  # runs until stopped
+
+
+@pytest.fixture(scope="module")
+def one_slot(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        with serve(tmp_path_factory.mktemp("home"), "--concurrency", "1") as s:
+            yield s
+
+
+def note_of(served, run_id: int) -> str | None:
+    return queue_notes(Records(served.home, migrate=False).engine, 1).get(("run", run_id))
+
+
+def test_a_daemon_run_waits_for_the_slot_a_training_client_holds_until_its_session_ends(one_slot):
+    service = tinker.ServiceClient(base_url=f"{one_slot.base}/tinker", api_key=Auth(one_slot.token).tinker)
+    trainer = service.create_lora_training_client(base_model="tiny-dense", rank=4).result()
+    holder = run_of(one_slot, trainer.model_id)
+    assert holder["status"] == "running"
+    queued = one_slot.create(LONG, name="after-tinker")
+    assert note_of(one_slot, queued["id"]) == (f"1st in line; 1 slot (concurrency 1) held by run #{holder['id']} "
+                                               f"'{holder['name']}'")
+    trainer.forward_backward([datum("abc")], "cross_entropy")
+    trainer.optim_step(types.AdamParams()).result()
+    submitted = time.time()  # the daemon touches its lock file at every poll (twice a second): a few polls go by
+    wait_until(lambda: (one_slot.home / "daemon.lock").stat().st_mtime > submitted + 1.5, timeout=30)
+    assert status_of(one_slot, queued["id"]) == "queued"  # it started nothing meanwhile
+    service.close("success").result()
+    assert run_of(one_slot, trainer.model_id)["status"] == "completed"
+    wait_until(lambda: status_of(one_slot, queued["id"]) == "running", timeout=30, message="the daemon starts it")
+    one_slot.client.post(f"/api/v1/runs/{queued['id']}/stop")
+    assert one_slot.wait(queued["id"])["status"] == "stopped"  # the slot is free for the next test
+
+
+def queued_tinker_runs(served) -> list[dict]:
+    return sorted((r for r in served.client.get("/api/v1/runs").json() if r["host"] == "tinker"
+                   and r["status"] == "queued"), key=lambda r: r["id"])
+
+
+def status_of(served, run_id: int) -> str:
+    return served.client.get(f"/api/v1/runs/{run_id}").json()["status"]
+
+
+def test_a_training_client_made_while_a_daemon_run_holds_the_slot_waits_queued_then_trains(one_slot):
+    busy = one_slot.create(LONG, name="busy")
+    wait_until(lambda: status_of(one_slot, busy["id"]) == "running", timeout=30)
+    service, leaving = (tinker.ServiceClient(base_url=f"{one_slot.base}/tinker", api_key=Auth(one_slot.token).tinker)
+                        for _ in range(2))
+    with ThreadPoolExecutor(2) as pool:
+        creating = pool.submit(lambda: service.create_lora_training_client(base_model="tiny-dense", rank=4).result())
+        waiting = wait_until(lambda: queued_tinker_runs(one_slot), timeout=30)[0]
+        held = f"1 slot (concurrency 1) held by run #{busy['id']} 'busy'"
+        assert note_of(one_slot, waiting["id"]) == f"1st in line; {held}"
+        # a second client waits behind it; its session ends before its turn: it leaves the line, having held nothing
+        given_up = pool.submit(lambda: leaving.create_lora_training_client(base_model="tiny-dense", rank=4).result())
+        behind = wait_until(lambda: queued_tinker_runs(one_slot)[1:], timeout=30)[0]
+        assert note_of(one_slot, behind["id"]) == f"2nd in line; {held}"
+        leaving.close("success").result()
+        assert status_of(one_slot, behind["id"]) == "stopped"
+        with pytest.raises(Exception, match="has ended"):
+            given_up.result(timeout=60)
+        assert not creating.done()  # the SDK polls its create future meanwhile
+        assert one_slot.client.post(f"/api/v1/runs/{busy['id']}/stop").status_code == 202
+        trainer = creating.result(timeout=120)
+    assert one_slot.wait(busy["id"])["status"] == "stopped"
+    assert run_of(one_slot, trainer.model_id)["id"] == waiting["id"]
+    trainer.forward_backward([datum("abc")], "cross_entropy")
+    assert trainer.optim_step(types.AdamParams()).result().metrics["loss"] > 0
+    assert run_of(one_slot, trainer.model_id)["status"] == "running"
+    service.close("success").result()

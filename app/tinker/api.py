@@ -111,9 +111,10 @@ class Retrieve(Body):
     request_id: str
 
 
-def create(records, auth) -> FastAPI:
-    """The app `molt serve` mounts at /tinker; its key is `molt token --tinker`, in X-API-Key as the SDK sends it."""
-    service = Service(records)
+def create(records, auth, concurrency: int | None = None) -> FastAPI:
+    """The app `molt serve` mounts at /tinker; its key is `molt token --tinker`, in X-API-Key as the SDK sends it.
+    `concurrency`: the daemon's slots, which the training clients share with its runs."""
+    service = Service(records, concurrency)
 
     def key(x_api_key: str | None = Header(None)):
         if not x_api_key or not hmac.compare_digest(x_api_key.encode(), auth.tinker.encode()):

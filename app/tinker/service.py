@@ -1,6 +1,8 @@
 """Tinker sessions, their models and futures: each model runs its requests one at a time in the client's seq_id
-order on a thread of its own, and is a run on the dashboard (an external run on host "tinker"), a metric a step."""
+order on a thread of its own, and is a run on the dashboard (an external run on host "tinker"), a metric a step. A
+model holds one of the daemon's slots (daemon/slots.py): it waits `queued` in the line until its turn."""
 import itertools
+import logging
 import os
 import secrets
 import threading
@@ -9,19 +11,21 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlmodel import Session
 
-from daemon.db import add_event
+from daemon.db import add_event, set_run
 from daemon.models import ACTIVE, Attempt, Run, Sample, now
 from daemon.records import Records
 from daemon.sink import write_records
+from daemon.slots import EVAL_HOLDS_A_SLOT, TINKER, runs_held, turn
 from molt_engine.config import ELSEWHERE, RunConfig
 
 from ..ingest import finish
 from .trainer import Refused, TrainedModel, model_config
 
-HOST = "tinker"  # the runs list shows "external · tinker"
+log = logging.getLogger("molt.app")
+HOST = TINKER  # the runs list shows "external · tinker"
 # The SDK beats every 10 s; a session silent this long has lost its client (killed, or its machine gone)
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("MOLT_TINKER_HEARTBEAT_TIMEOUT", 60))
 # A loop samples many groups a step: the Samples view gets the first this many sample requests of each step
@@ -42,9 +46,10 @@ class Model:
     id: str
     session_id: str
     run_id: int
-    attempt_id: int
     base_model: str
     rank: int
+    attempt_id: int | None = None                   # None while it waits for a slot
+    admitted: threading.Event = field(default_factory=threading.Event)  # its turn came (or it ended waiting)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
     trained: TrainedModel | None = None
     next_seq: int = 1
@@ -65,8 +70,9 @@ class TinkerSession:
 class Service:
     """What the API's handlers call; thread-safe. Request ids are this process's: a restarted server knows none."""
 
-    def __init__(self, records: Records):
-        self.records, self.root = records, records.home / "tinker"
+    def __init__(self, records: Records, concurrency: int | None = None):
+        """`concurrency`: the daemon's slots, as `molt serve` started it; None (`molt web`): models start at once."""
+        self.records, self.root, self.concurrency = records, records.home / "tinker", concurrency
         self.sessions: dict[str, TinkerSession] = {}
         self.models: dict[str, Model] = {}
         self.futures: dict[str, Future] = {}
@@ -77,8 +83,10 @@ class Service:
         self.sampling = ThreadPoolExecutor(1, thread_name_prefix="tinker-sampling")
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._turns = threading.Lock()  # one admission at a time: two must not both count the same free slot
         self._end_orphans()
         threading.Thread(target=self._expire, daemon=True, name="tinker-sessions").start()
+        threading.Thread(target=self._admit_loop, daemon=True, name="tinker-slots").start()
 
     def _end_orphans(self):
         """Runs of an earlier server process (killed, or stopped) end as failed: their sessions and futures died
@@ -88,6 +96,9 @@ class Service:
                 attempt = s.scalars(select(Attempt).where(Attempt.run_id == run_id)).first()
                 finish(s, run_id, attempt, {"status": "failed", "time": now(), "summary": None,
                                             "error": "the server restarted: the Tinker session ended with it"})
+            waited = "the server restarted: the Tinker session ended with it, before its turn in the queue"
+            s.execute(update(Run).where(Run.host == HOST, Run.status == "queued").values(  # else they block the line
+                status="failed", finished_at=now(), pid=None, last_error=waited))
             s.commit()
 
     # ---- sessions ----------------------------------------------------------------------------------------------
@@ -111,6 +122,8 @@ class Service:
         session.beat = time.monotonic()
         for model_id in session.models:
             model = self.models[model_id]
+            if model.attempt_id is None:  # still queued: no attempt to beat for
+                continue
             with Session(self.records.engine) as s:
                 write_records(s.connection(), model.run_id, model.attempt_id, [], heartbeat=now())
                 s.commit()
@@ -124,8 +137,20 @@ class Service:
         session.ended = True
         for model_id in session.models:
             model = self.models[model_id]
-            model.ended = model.ended or f"model {model_id}: its session {session_id} has ended"
-            self._end_run(model, status, error)
+            with self._turns:  # not while its turn is being given: it ends queued, or ends running
+                model.ended = model.ended or f"model {model_id}: its session {session_id} has ended"
+                if model.attempt_id is not None:
+                    self._end_run(model, status, error)
+                    continue
+                if model.admitted.is_set():  # stopped from the dashboard while it waited: ended already
+                    continue
+                model.admitted.set()  # its creation fails with model.ended
+                with Session(self.records.engine) as s:  # it leaves the queue, having held no slot
+                    set_run(s, model.run_id, ("queued",), status="failed" if status == "failed" else "stopped",
+                            finished_at=now(), pid=None, last_error=error if status == "failed" else None)
+                    add_event(s, model.run_id, "tinker", f"its session ended while it waited for a slot ({status})")
+                    s.commit()
+        self._admit()  # its slots are free
 
     def retrieved(self, request_id: str):
         self.read_at.setdefault(request_id, time.monotonic())
@@ -155,28 +180,64 @@ class Service:
             raise Refused(f"model {model_id} exists: model_seq_id {model_seq_id} was used in this session")
         config = RunConfig.model_validate({"env": "tinker", "model": cfg.model_dump(mode="json", exclude_unset=True)},
                                           context=ELSEWHERE)
-        t = now()
-        with Session(self.records.engine) as s:
+        with Session(self.records.engine) as s:  # queued, in line with the daemon's runs: _admit starts it in its turn
             run = Run(name=f"tinker {base_model} {model_id}", tags=["tinker"], config=config.model_dump(mode="json"),
-                      total_steps=0, max_restarts=0, status="running", started_at=t, pid=os.getpid(), host=HOST,
-                      ranks=1)
+                      total_steps=0, max_restarts=0, status="queued", pid=os.getpid(), host=HOST, ranks=1)
             s.add(run)
-            s.flush()
-            attempt = Attempt(run_id=run.id, number=1, pid=os.getpid(), started_at=t, heartbeat_at=t)
-            s.add(attempt)
             s.flush()
             add_event(s, run.id, "tinker", f"Tinker training client {model_id}: LoRA rank {rank} on {base_model}",
                       session_id=session_id, model_id=model_id, rank=rank, seed=seed)
             s.commit()
-            model = Model(model_id, session_id, run.id, attempt.id, base_model, rank)
+            model = Model(model_id, session_id, run.id, base_model, rank)
         with self._lock:
             self.models[model_id] = model
             session.models.append(model_id)
+        self._admit()
 
-        def build():
+        def build():  # the model's first request: its later ones wait behind it on its thread
+            model.admitted.wait()
+            if model.ended:
+                raise Gone(model.ended)
             model.trained = TrainedModel(base_model, rank, seed, train_attn, train_mlp, train_unembed)
             return then(model) if then else {"model_id": model_id, "type": "create_model"}
         return model_id, self._start(model.executor.submit(build))
+
+    def _admit_loop(self):
+        while True:  # a daemon run's end frees a slot without telling this process: look twice a second
+            time.sleep(0.5)
+            if any(not m.admitted.is_set() for m in list(self.models.values())):
+                try:
+                    self._admit()
+                except Exception:  # e.g. the database busy: the next look tries again, this thread must not die
+                    log.exception("starting the waiting Tinker training clients failed")
+
+    def _admit(self):
+        """Start the waiting models whose turn has come by the slot rule (daemon/slots.py: the line in id order,
+        daemon runs and Tinker clients alike). The daemon starts its own runs of that turn, never these."""
+        with self._turns, Session(self.records.engine) as s:
+            waiting = {m.run_id: m for m in list(self.models.values()) if not m.admitted.is_set()}
+            if not waiting:
+                return
+            if self.concurrency is None:  # the daemon's slots unknown (`molt web`): start at once
+                due = list(waiting)
+            else:
+                held = runs_held(s) + s.scalar(select(func.count()).where(EVAL_HOLDS_A_SLOT))
+                due = [run_id for run_id, _ in turn(s, self.concurrency - held) if run_id in waiting]
+            for run_id in due:
+                model, t = waiting[run_id], now()
+                if set_run(s, run_id, ("queued",), status="running", started_at=t):
+                    attempt = Attempt(run_id=run_id, number=1, pid=os.getpid(), started_at=t, heartbeat_at=t)
+                    s.add(attempt)
+                    s.flush()
+                    model.attempt_id = attempt.id
+                    add_event(s, run_id, "tinker", "started: a slot was free")
+                s.commit()
+            for run_id, model in waiting.items():  # stopped from the dashboard while queued: its creation fails
+                if model.attempt_id is None and s.scalar(select(Run.status).where(Run.id == run_id)) != "queued":
+                    model.ended = f"run {run_id} was stopped from the dashboard before it started"
+                    model.admitted.set()
+                elif model.attempt_id is not None:
+                    model.admitted.set()
 
     def model(self, model_id: str, session_id: str | None = None) -> Model:
         """The model; when the request names its session too, refused if the model is another session's."""
