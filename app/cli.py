@@ -176,7 +176,9 @@ def serve_web(home: Path, args):
     from .main import create_app
     token = load_or_create_token(home)
     app = create_app(home, token, webhook_url=args.webhook_url, public_url=args.public_url,
-                     metrics_public=args.metrics_public, concurrency=getattr(args, "concurrency", None))
+                     metrics_public=args.metrics_public, concurrency=getattr(args, "concurrency", None),
+                     gpus=None if getattr(args, "gpus", None) is None else [g.strip() for g in args.gpus.split(",")
+                                                                            if g.strip()])
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            ws_ping_interval=20, timeout_graceful_shutdown=3))
 

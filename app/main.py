@@ -29,10 +29,11 @@ log = logging.getLogger("molt.app")
 
 def create_app(home: str | Path | None = None, token: str | None = None, *, webhook_url: str | None = None,
                public_url: str | None = None, poll: float | None = None, metrics_public: bool = False,
-               concurrency: int | None = None) -> FastAPI:
+               concurrency: int | None = None, gpus: list[str] | None = None) -> FastAPI:
     """The app over the data directory `home` (migrated on start). `token`: default $MOLT_TOKEN, else the one
     saved in the data directory (created on first start). `metrics_public`: /metrics without the token.
-    `concurrency`: the daemon's, as `molt serve` started it (the pages show it beside a queued run)."""
+    `concurrency`: the daemon's, as `molt serve` started it (the pages show it beside a queued run); `gpus`: its GPU
+    pool (`molt serve --gpus`; None = every visible GPU, as the daemon's default), which Tinker clients take from."""
     records = Records(home)
     token = token or load_or_create_token(records.home)
     hub = Hub(records.engine, records.home, records.daemon_status, webhook_url=webhook_url, public_url=public_url,
@@ -108,7 +109,7 @@ def create_app(home: str | Path | None = None, token: str | None = None, *, webh
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # its own key, its own errors (docs/tinker.md); its training clients share the daemon's slots
-    app.mount("/tinker", tinker.mounted(records, app.state.auth, concurrency))
+    app.mount("/tinker", tinker.mounted(records, app.state.auth, concurrency, gpus))
 
     @app.websocket("/ws/daemon")
     async def daemon_updates(ws: WebSocket):

@@ -77,7 +77,7 @@ class EvalWorkers:
             waiting = s.scalars(select(Evaluation).where(EVAL_WAITS).order_by(*EVAL_ORDER).limit(max(free, 0))).all()
             for e in waiting:
                 needed = 1 if self.sup.gpus else 0
-                gpus = self.sup.free_gpus()[:needed]
+                gpus = self.sup.free_gpus(s)[:needed]
                 if len(gpus) < needed:
                     break
                 self.start(s, e, gpus)

@@ -19,7 +19,7 @@ from .db import FIRST_BEAT_S, add_daemon_event, add_event, connect, data_home, h
 from .models import ACTIVE, OUTCOMES, Attempt, Run, now
 from .restarts import decide
 from .sink import replay_spools
-from .slots import runs_held, turn
+from .slots import TINKER, free_gpus, runs_held, turn
 from .sweep_tick import tick_sweeps
 from .worker import DUPLICATE
 
@@ -272,7 +272,7 @@ class Supervisor:
                                               Run.host.is_(None), Run.id.not_in(list(self.workers)))
                             .order_by(Run.id)).all()
             for run in due:
-                if not self.refused(s, run, "restarting") and self.gpus_needed(run) <= len(self.free_gpus()):
+                if not self.refused(s, run, "restarting") and self.gpus_needed(run) <= len(self.free_gpus(s, run)):
                     self.start(s, run)
             # The first free waiting runs, in id order: a Tinker client among them is the web process's to start
             # (app/tinker), its slot kept for it; an external run is never started here (it resumes on its machine).
@@ -280,7 +280,7 @@ class Supervisor:
                 run = s.get(Run, run_id)
                 if host is not None or self.refused(s, run, "queued"):
                     continue
-                if self.gpus_needed(run) > len(self.free_gpus()):
+                if self.gpus_needed(run) > len(self.free_gpus(s, run)):
                     break
                 self.start(s, run)
 
@@ -316,15 +316,23 @@ class Supervisor:
         asked = (run.config.get("resources") or {}).get("gpus")
         return ((run.config.get("dist") or {}).get("nproc", 1) if self.gpus else 0) if asked is None else asked
 
-    def free_gpus(self) -> list[str]:
+    def free_gpus(self, s: Session, run: Run | None = None) -> list[str]:
+        """The GPUs free for `run` (None: an evaluation) by the records and this daemon's workers (slots.free_gpus),
+        less the first of them, one each, for the Tinker clients ahead of it in the line whose turn has come: the web
+        process gives them those (app/tinker/service.py), so the two processes never take the same GPU."""
         held = {g for w in self.workers.values() for g in w.gpus} | self.evals.gpus()
-        return [g for g in self.gpus if g not in held]
+        free = free_gpus(s, self.gpus, held, but=run.id if run else None)
+        if not free or run is not None and run.status == "restarting":  # restarts go before the line
+            return free
+        ahead = [i for i, host in turn(s, self.concurrency - runs_held(s) - len(self.evals.workers))
+                 if host == TINKER and (run is None or i < run.id)]
+        return free[len(ahead):]
 
     def start(self, s: Session, run: Run):
         """Mark the run running, record the attempt, then start the worker (in this order: a daemon killed in
         between leaves an open attempt that reconcile() closes; never a worker nobody knows about)."""
         t = now()
-        gpus = self.free_gpus()[:self.gpus_needed(run)]
+        gpus = self.free_gpus(s, run)[:self.gpus_needed(run)]
         if not set_run(s, run.id, (run.status,), status="running", next_start_at=None, finished_at=None,
                        started_at=func.coalesce(Run.started_at, t), gpus=",".join(gpus) or None):
             return  # the API changed it meanwhile (stopped)

@@ -13,7 +13,12 @@ from conftest import wait_until
 import molt_engine.update as update_mod
 from molt_engine import RunConfig, checkpoint, train
 from molt_engine.config import ValidationError, config_errors
-from daemon.models import Run
+from sqlalchemy import update
+from sqlmodel import Session
+
+from daemon.models import Evaluation, Run
+from daemon.records import Records
+from daemon.slots import free_gpus
 from daemon.supervisor import Supervisor
 from molt_engine.models import char_tokenizer, device_of, load_policy
 from molt_engine.inference.sampler import Sampler
@@ -54,6 +59,46 @@ def test_a_run_of_several_ranks_asks_for_one_gpu_per_rank_by_default(tmp_path):
     needed = lambda **cfg: sup.gpus_needed(Run(config={"env": "max_digit", **cfg}))  # noqa: E731
     assert (needed(), needed(dist={"nproc": 2}), needed(dist={"nproc": 2}, resources={"gpus": 1})) == (1, 2, 1)
     assert Supervisor(tmp_path, gpus=[]).gpus_needed(Run(config={"env": "max_digit", "dist": {"nproc": 2}})) == 0
+
+
+def holders(home, *jobs):
+    """Real records: (kind, status, host, gpus) a run or evaluation each, in id order."""
+    records = Records(home)
+    with Session(records.engine) as s:
+        for kind, status, host, gpus in jobs:
+            s.add(Run(name="r", config={}, total_steps=1, status=status, host=host, gpus=gpus) if kind == "run" else
+                  Evaluation(config={}, status=status, gpus=gpus))
+        s.commit()
+    return records
+
+
+def test_a_free_gpu_is_the_first_of_the_pool_that_no_run_holding_a_slot_nor_running_evaluation_holds(tmp_path):
+    records = holders(tmp_path, ("run", "running", None, "0"), ("run", "running", "tinker", "1"),
+                      ("evaluation", "running", None, "2"), ("run", "restarting", None, "3"),  # its restart's
+                      ("run", "completed", None, "4"), ("evaluation", "completed", None, "5"),
+                      ("run", "running", "laptop", "6"))  # an external run's GPUs are another machine's
+    pool = [str(i) for i in range(8)]
+    with Session(records.engine) as s:
+        assert free_gpus(s, pool) == ["4", "5", "6", "7"]
+        assert free_gpus(s, pool, held={"4"}, but=3) == ["3", "5", "6", "7"]  # run 3 restarts on its own GPU
+        assert free_gpus(s, ["0", "1", "2", "3"]) == []  # none free: a client waits
+        assert free_gpus(s, []) == []  # no pool (a CPU machine): nothing to take, none needed
+
+
+def test_the_daemon_leaves_to_tinker_clients_the_gpus_they_hold_and_those_their_turn_takes(tmp_path):
+    """An active Tinker client's recorded GPU is not the daemon's to give; a queued one whose turn has come takes the
+    first free GPU, so the daemon's runs after it in line, and evaluations, start on the next."""
+    records = holders(tmp_path, ("run", "running", "tinker", "0"), ("run", "queued", "tinker", None),
+                      ("run", "queued", None, None))
+    sup = Supervisor(tmp_path, gpus=["0", "1", "2"], concurrency=3)
+    with Session(records.engine) as s:
+        assert sup.free_gpus(s) == ["2"]  # an evaluation
+        assert sup.free_gpus(s, s.get(Run, 3)) == ["2"]  # the daemon's run behind the client
+    with Session(records.engine) as s:  # the client started on GPU 1: the daemon's run still gets 2
+        s.execute(update(Run).where(Run.id == 2).values(status="running", gpus="1"))
+        assert sup.free_gpus(s, s.get(Run, 3)) == ["2"]
+        s.execute(update(Run).where(Run.id == 1).values(status="completed"))
+        assert sup.free_gpus(s, s.get(Run, 3)) == ["0", "2"]
 
 
 def test_bf16_shows_its_precision_gap_and_its_checkpoint_resumes_in_fp32_and_loads_with_transformers(tmp_path):

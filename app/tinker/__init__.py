@@ -5,7 +5,7 @@ import importlib
 from starlette.responses import JSONResponse
 
 
-def mounted(records, auth, concurrency: int | None = None):
+def mounted(records, auth, concurrency: int | None = None, gpus: list[str] | None = None):
     """The ASGI app for /tinker, built at its first request: torch, transformers and the SDK's protobuf messages
     (the `tinker` extra) are imported only by a dashboard that serves a Tinker client, and off the event loop (on a
     busy machine that takes seconds, which the dashboard's other requests must not wait for)."""
@@ -16,7 +16,7 @@ def mounted(records, auth, concurrency: int | None = None):
             if not built:
                 try:
                     api = await asyncio.to_thread(importlib.import_module, ".api", __name__)
-                    built.append(api.create(records, auth, concurrency))
+                    built.append(api.create(records, auth, concurrency, gpus))
                 except ImportError as e:  # without the extra: every request says what to install
                     built.append(JSONResponse({"detail": f"the Tinker API needs the tinker extra ({e}): "
                                                "pip install 'molt-studio[tinker]'"}, status_code=501))

@@ -111,10 +111,10 @@ class Retrieve(Body):
     request_id: str
 
 
-def create(records, auth, concurrency: int | None = None) -> FastAPI:
+def create(records, auth, concurrency: int | None = None, gpus: list[str] | None = None) -> FastAPI:
     """The app `molt serve` mounts at /tinker; its key is `molt token --tinker`, in X-API-Key as the SDK sends it.
-    `concurrency`: the daemon's slots, which the training clients share with its runs."""
-    service = Service(records, concurrency)
+    `concurrency`, `gpus`: the daemon's slots and GPU pool, which the training clients share with its runs."""
+    service = Service(records, concurrency, gpus)
 
     def key(x_api_key: str | None = Header(None)):
         if not x_api_key or not hmac.compare_digest(x_api_key.encode(), auth.tinker.encode()):
@@ -252,9 +252,11 @@ def create(records, auth, concurrency: int | None = None) -> FastAPI:
     def sampler_of(base_model: str | None, model_path: str | None):
         if model_path:
             state = saved(service.state_path(model_path))
-            trained = TrainedModel(state["base_model"], state["rank"], None, *state["targets"])
-            trained.load(service.state_path(model_path), optimizer=False)
             model_id = model_path.removeprefix("tinker://").split("/")[0]  # its samples go to that model's run
+            live = service.models.get(model_id)  # a live client's weights: on its GPU
+            trained = TrainedModel(state["base_model"], state["rank"], None, *state["targets"],
+                                   device=str(live.trained.device) if live and live.trained else None)
+            trained.load(service.state_path(model_path), optimizer=False)
             return Sampler.snapshot(trained, model_path, model_id, state["steps"])
         if not base_model:
             raise Refused("a sampling client needs a base_model or a model_path")

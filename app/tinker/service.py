@@ -1,6 +1,7 @@
 """Tinker sessions, their models and futures: each model runs its requests one at a time in the client's seq_id
 order on a thread of its own, and is a run on the dashboard (an external run on host "tinker"), a metric a step. A
-model holds one of the daemon's slots (daemon/slots.py): it waits `queued` in the line until its turn."""
+model holds one of the daemon's slots and, on a machine with GPUs, one of its GPUs (daemon/slots.py): it waits
+`queued` in the line until its turn and a free GPU."""
 import itertools
 import logging
 import os
@@ -18,7 +19,8 @@ from daemon.db import add_event, set_run
 from daemon.models import ACTIVE, Attempt, Run, Sample, now
 from daemon.records import Records
 from daemon.sink import write_records
-from daemon.slots import EVAL_HOLDS_A_SLOT, TINKER, runs_held, turn
+from daemon.slots import EVAL_HOLDS_A_SLOT, TINKER, free_gpus, runs_held, turn
+from daemon.supervisor import visible_gpus
 from molt_engine.config import ELSEWHERE, RunConfig
 
 from ..ingest import finish
@@ -49,6 +51,7 @@ class Model:
     base_model: str
     rank: int
     attempt_id: int | None = None                   # None while it waits for a slot
+    gpu: str | None = None                          # the daemon's GPU it was given; None = the CPU
     admitted: threading.Event = field(default_factory=threading.Event)  # its turn came (or it ended waiting)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
     trained: TrainedModel | None = None
@@ -70,9 +73,12 @@ class TinkerSession:
 class Service:
     """What the API's handlers call; thread-safe. Request ids are this process's: a restarted server knows none."""
 
-    def __init__(self, records: Records, concurrency: int | None = None):
-        """`concurrency`: the daemon's slots, as `molt serve` started it; None (`molt web`): models start at once."""
+    def __init__(self, records: Records, concurrency: int | None = None, gpus: list[str] | None = None):
+        """`concurrency`: the daemon's slots, as `molt serve` started it; None (`molt web`): models start at once.
+        `gpus`: the daemon's GPU pool (`molt serve --gpus`), by default as the daemon's: every visible GPU."""
         self.records, self.root, self.concurrency = records, records.home / "tinker", concurrency
+        self.visible = visible_gpus()  # the pool names GPUs as CUDA_VISIBLE_DEVICES does; torch counts these from 0
+        self.gpus = list(self.visible if gpus is None else gpus)
         self.sessions: dict[str, TinkerSession] = {}
         self.models: dict[str, Model] = {}
         self.futures: dict[str, Future] = {}
@@ -198,7 +204,12 @@ class Service:
             model.admitted.wait()
             if model.ended:
                 raise Gone(model.ended)
-            model.trained = TrainedModel(base_model, rank, seed, train_attn, train_mlp, train_unembed)
+            if model.gpu is not None and model.gpu not in self.visible:
+                raise Refused(f"GPU {model.gpu} of the daemon's pool (molt serve --gpus) is not one this process "
+                              f"sees ({','.join(self.visible) or 'none'}): check CUDA_VISIBLE_DEVICES")
+            # no GPU in the pool: the CPU, as the daemon's runs then (CUDA_VISIBLE_DEVICES "")
+            device = f"cuda:{self.visible.index(model.gpu)}" if model.gpu is not None else "cpu"
+            model.trained = TrainedModel(base_model, rank, seed, train_attn, train_mlp, train_unembed, device)
             return then(model) if then else {"model_id": model_id, "type": "create_model"}
         return model_id, self._start(model.executor.submit(build))
 
@@ -213,24 +224,37 @@ class Service:
 
     def _admit(self):
         """Start the waiting models whose turn has come by the slot rule (daemon/slots.py: the line in id order,
-        daemon runs and Tinker clients alike). The daemon starts its own runs of that turn, never these."""
+        daemon runs and Tinker clients alike), each on the first free GPU of the pool where there is one. The daemon
+        starts its own runs of that turn, never these; GPUs go in line order (a client waits for the daemon's runs
+        ahead of it to take theirs, and one without a free GPU holds back those after it, as a daemon run does)."""
         with self._turns, Session(self.records.engine) as s:
             waiting = {m.run_id: m for m in list(self.models.values()) if not m.admitted.is_set()}
             if not waiting:
                 return
             if self.concurrency is None:  # the daemon's slots unknown (`molt web`): start at once
-                due = list(waiting)
+                due = [(run_id, HOST) for run_id in waiting]
             else:
                 held = runs_held(s) + s.scalar(select(func.count()).where(EVAL_HOLDS_A_SLOT))
-                due = [run_id for run_id, _ in turn(s, self.concurrency - held) if run_id in waiting]
-            for run_id in due:
+                due = turn(s, self.concurrency - held)
+            for run_id, host in due:
+                if run_id not in waiting:
+                    if self.gpus and host is None:  # the daemon starts it on its GPUs first
+                        break
+                    continue
+                gpu = None
+                if self.gpus:
+                    free = free_gpus(s, self.gpus)
+                    if not free:
+                        break
+                    gpu = free[0]
                 model, t = waiting[run_id], now()
-                if set_run(s, run_id, ("queued",), status="running", started_at=t):
+                if set_run(s, run_id, ("queued",), status="running", started_at=t, gpus=gpu):
                     attempt = Attempt(run_id=run_id, number=1, pid=os.getpid(), started_at=t, heartbeat_at=t)
                     s.add(attempt)
                     s.flush()
-                    model.attempt_id = attempt.id
-                    add_event(s, run_id, "tinker", "started: a slot was free")
+                    model.attempt_id, model.gpu = attempt.id, gpu
+                    add_event(s, run_id, "tinker", f"started on GPU {gpu}: a slot and the GPU were free" if gpu
+                              else "started: a slot was free")
                 s.commit()
             for run_id, model in waiting.items():  # stopped from the dashboard while queued: its creation fails
                 if model.attempt_id is None and s.scalar(select(Run.status).where(Run.id == run_id)) != "queued":

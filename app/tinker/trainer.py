@@ -41,9 +41,13 @@ class TrainedModel:
     in the order of the client's seq_ids. Gradients add up over forward_backward calls until optim_step."""
 
     def __init__(self, base_model: str, rank: int, seed: int | None, train_attn=True, train_mlp=True,
-                 train_unembed=True):
+                 train_unembed=True, device: str | None = None):
+        """`device`: e.g. cuda:1, the GPU the client was given; None = model.device auto (a GPU torch sees, else the
+        CPU)."""
         self.base_model, self.rank, self.targets = base_model, rank, (train_attn, train_mlp, train_unembed)
         self.cfg = model_config(base_model, rank, train_attn, train_mlp, train_unembed)
+        if device is not None:
+            self.cfg = self.cfg.model_copy(update={"device": device})
         # A preset's base weights come from seed 0, whatever the adapters' seed: every client of a preset, and its
         # sampler, share one base model
         self.model, self.tokenizer = load_policy(self.cfg, seed=0)
