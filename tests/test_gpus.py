@@ -101,6 +101,28 @@ def test_the_daemon_leaves_to_tinker_clients_the_gpus_they_hold_and_those_their_
         assert sup.free_gpus(s, s.get(Run, 3)) == ["0", "2"]
 
 
+def test_a_tinker_client_takes_the_free_gpu_of_the_pool_in_its_turn_and_the_next_waits_for_one(tmp_path, monkeypatch):
+    """The web process's side, on real records: the daemon's run holds GPU 0, so the first client takes 1 and the
+    second waits queued until the first one's session ends. This process sees no GPU (CUDA_VISIBLE_DEVICES empty),
+    so building on the pool's GPU fails, naming it: no CUDA is started."""
+    from app.tinker.service import Service
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    records = holders(tmp_path, ("run", "running", None, "0"))
+    service = Service(records, concurrency=3, gpus=["0", "1"])
+    status = lambda run_id: records.get_run(run_id)  # noqa: E731
+    first, second = (service.session(service.create_session()) for _ in range(2))
+    a, request = service.create_model(first.id, 0, "tiny-dense", 4, None, True, True, True)
+    b, _ = service.create_model(second.id, 0, "tiny-dense", 4, None, True, True, True)
+    with pytest.raises(Exception, match=r"GPU 1 of the daemon's pool \(molt serve --gpus\) is not one this process "
+                                        r"sees \(none\)"):
+        service.futures[request].result(timeout=30)
+    ran, waits = status(service.models[a].run_id), status(service.models[b].run_id)
+    assert (ran["status"], ran["gpus"], waits["status"], waits["gpus"]) == ("running", "1", "queued", None)
+    service.end_session(first.id)
+    taken = status(service.models[b].run_id)
+    assert (taken["status"], taken["gpus"]) == ("running", "1")
+
+
 def test_bf16_shows_its_precision_gap_and_its_checkpoint_resumes_in_fp32_and_loads_with_transformers(tmp_path):
     fp32 = Recorder()
     train(config(loop={"steps": 2}), fp32)
