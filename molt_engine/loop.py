@@ -151,14 +151,6 @@ class Training(Scheduling, Recovery, Evaluation):
             self.reference = (policy.merge_and_unload() if lora else policy).eval().requires_grad_(False)
         if found:
             self.restore(found)
-        # A rank's backward ran out of memory in an earlier attempt (update): every rank starts from the size it left
-        noted = self.out_dir / SMALLER if self.out_dir else None
-        smaller = dist.all_max([-float(noted.read_text()) if noted and noted.exists() else -math.inf])[0]
-        if -smaller < (self.micro_batch_size or math.inf):
-            self.micro_batch_size = int(-smaller)
-            self.sink.event("oom", f"an earlier attempt ran out of memory in a backward: micro-batches of "
-                            f"{self.micro_batch_size} episodes from step {self.step} on", step=self.step,
-                            micro_batch_size=self.micro_batch_size)
         elif self.cfg.warm_start.steps and not self.rollout.demonstrates:  # optional for agents and envs
             self.sink.event("warm_start", f"{self.cfg.env} has no demonstrations: no warm start", steps=0)
         elif self.cfg.warm_start.steps:
@@ -167,6 +159,14 @@ class Training(Scheduling, Recovery, Evaluation):
                             f"loss {loss:.3f}", steps=self.cfg.warm_start.steps, loss=loss)
             if self.reference is not None:
                 self.reference.load_state_dict(merged(self.model.state_dict(), lora))
+        # A rank's backward ran out of memory in an earlier attempt (update): every rank starts from the size it left
+        noted = self.out_dir / SMALLER if self.out_dir else None
+        smaller = dist.all_max([-float(noted.read_text()) if noted and noted.exists() else -math.inf])[0]
+        if -smaller < (self.micro_batch_size or math.inf):
+            self.micro_batch_size = int(-smaller)
+            self.sink.event("oom", f"an earlier attempt ran out of memory in a backward: micro-batches of "
+                            f"{self.micro_batch_size} episodes from step {self.step} on", step=self.step,
+                            micro_batch_size=self.micro_batch_size)
         device, dtype, count = next(self.model.parameters()).device, self.cfg.model.dtype, self.model.num_parameters
         name = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
         self.published = dist.full_weights(self.model)
