@@ -2,23 +2,17 @@
 import asyncio
 import importlib
 
-from starlette.responses import JSONResponse
-
 
 def mounted(records, auth, concurrency: int | None = None, gpus: list[str] | None = None):
     """The ASGI app for /tinker, built at its first request: torch, transformers and the SDK's protobuf messages
-    (the `tinker` extra) are imported only by a dashboard that serves a Tinker client, and off the event loop (on a
+    are imported only by a dashboard that serves a Tinker client, and off the event loop (on a
     busy machine that takes seconds, which the dashboard's other requests must not wait for)."""
     built, lock = [], asyncio.Lock()
 
     async def app(scope, receive, send):
         async with lock:
             if not built:
-                try:
-                    api = await asyncio.to_thread(importlib.import_module, ".api", __name__)
-                    built.append(api.create(records, auth, concurrency, gpus))
-                except ImportError as e:  # without the extra: every request says what to install
-                    built.append(JSONResponse({"detail": f"the Tinker API needs the tinker extra ({e}): "
-                                               "pip install 'molt-studio[tinker]'"}, status_code=501))
+                api = await asyncio.to_thread(importlib.import_module, ".api", __name__)
+                built.append(api.create(records, auth, concurrency, gpus))
         await built[0](scope, receive, send)
     return app
