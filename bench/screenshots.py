@@ -1,5 +1,6 @@
-"""The dashboard's screenshots for docs/screenshots/: runs list, run page (light and dark), samples view, compare and
-launch form, each at 1440x900 and 390x844, from `molt serve` on a temporary home with two small finished runs.
+"""The dashboard's screenshots for docs/screenshots/: runs list, run page (light and dark), samples view, compare,
+launch form, a sweep's page, the new-sweep form and the evaluations page, each at 1440x900 and 390x844, from `molt
+serve` on a temporary home with two small finished runs, a finished 2x2 sweep and an evaluation of the first run.
 
     python bench/screenshots.py [--out docs/screenshots]
 
@@ -8,6 +9,7 @@ to 256 colours so that it stays small (~100-200 KB).
 """
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 from app_common import ROOT, Child
@@ -23,6 +25,10 @@ RUNS = {  # a text run with evals, and a shorter one beside it in the list
     "guess-number-demo": {"env": "guess_number", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
                           "loop": {"steps": 6, "groups_per_step": 2, "group_size": 3, "eval_every": 0}},
 }
+SWEEP = {"name": "lr-demo", "seeds": 1, "params": {"algo.lr": {"values": [3e-4, 3e-3]},
+                                                   "loop.group_size": {"values": [3, 4]}},
+         "config": {"env": "max_digit", "warm_start": {"steps": 5}, "checkpoint": {"every": 0},
+                    "loop": {"steps": 6, "groups_per_step": 2, "eval_every": 3, "eval_episodes": 4}}}
 SIZES = {"1440": {"width": 1440, "height": 900}, "390": {"width": 390, "height": 844}}
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 
@@ -47,12 +53,21 @@ def main():
                 response = client.post("/api/v1/runs", json={"config": config, "name": name})
                 response.raise_for_status()
                 ids.append(response.json()["id"])
+            sweep = client.post("/api/v1/sweeps", json=SWEEP)  # its runs queue behind those
+            sweep.raise_for_status()
             for run_id in ids:  # /wait answers when the run ends, or after 30 s
                 run = {"status": "queued"}
                 while run["status"] in ("queued", "running", "restarting", "stopping"):
                     run = client.get(f"/api/v1/runs/{run_id}/wait", params={"timeout": 30}).json()
                 print(f"run {run_id}: {run['status']} at step {run['step']}")
             run_id = ids[0]
+            evaluation = client.post("/api/v1/evals", json={"run_id": run_id, "checkpoint": "final", "episodes": 8})
+            evaluation.raise_for_status()
+            while (sweep := client.get(f"/api/v1/sweeps/{sweep.json()['id']}")).json()["status"] == "running":
+                time.sleep(2)  # no /wait for sweeps: its runs take a minute or two
+            print(f"sweep {sweep.json()['id']}: {sweep.json()['status']}, best {sweep.json()['best']}")
+            done = client.get(f"/api/v1/evals/{evaluation.json()['id']}/wait", params={"timeout": 600}).json()
+            print(f"evaluation {done['id']}: {done['status']}")
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
                 for size, viewport in SIZES.items():
@@ -78,6 +93,15 @@ def main():
                             page.goto(f"{child.base}/runs/new")
                             page.wait_for_selector("#launch-form")
                             shoot(page, args.out / f"launch-form-{size}.png")
+                            page.goto(f"{child.base}/sweeps/{sweep.json()['id']}")
+                            page.wait_for_selector("#sweep-runs tbody tr[id]")
+                            shoot(page, args.out / f"sweep-{size}.png")
+                            page.goto(f"{child.base}/sweeps/new?run_id={run_id}")
+                            page.wait_for_selector("#new-sweep")
+                            shoot(page, args.out / f"new-sweep-form-{size}.png")
+                            page.goto(f"{child.base}/evals")
+                            page.wait_for_selector(f"#eval-{done['id']}")
+                            shoot(page, args.out / f"evaluations-{size}.png")
                         context.close()
                 browser.close()
         finally:

@@ -8,7 +8,7 @@ from sqlmodel import Session
 
 from .db import add_event, row_dict
 from .models import TERMINAL, Event, Metric, Run, Sweep, now
-from .sweeps import SweepRequest, check, point_score, ranked, run_config, score, seeds_of
+from .sweeps import SweepRequest, check, point_score, ranked, run_config, run_names, score, seeds_of
 
 
 RUNS_PER_TICK = 200   # runs the sweeps create per daemon poll, all together: a few hundred milliseconds at most
@@ -112,7 +112,7 @@ def ensure_runs(s: Session, sweep: Sweep, request: SweepRequest, limit: int = RU
     if limit <= 0:
         return 0
     have = set(s.scalars(select(Run.idempotency_key).where(Run.sweep_id == sweep.id)))
-    created = 0
+    created, names = 0, run_names(sweep.name, sweep.points)
     for index, params in enumerate(sweep.points):
         missing = [seed for seed in dict.fromkeys(seeds_of(request)) if f"sweep:{sweep.id}:{index}:{seed}" not in have]
         if not missing:
@@ -125,7 +125,7 @@ def ensure_runs(s: Session, sweep: Sweep, request: SweepRequest, limit: int = RU
         for seed in missing:
             if created >= limit:
                 return created
-            run = Run(name=f"{sweep.name}-p{index}-s{seed}", tags=[sweep.name], config={**config, "seed": seed},
+            run = Run(name=f"{names[index]} s{seed}", tags=[sweep.name], config={**config, "seed": seed},
                       total_steps=config["loop"]["steps"], max_restarts=request.max_restarts,
                       sweep_id=sweep.id, sweep_point=index, idempotency_key=f"sweep:{sweep.id}:{index}:{seed}")
             s.add(run)

@@ -4,6 +4,7 @@ import itertools
 import math
 import random
 import statistics
+from collections import Counter
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -193,6 +194,38 @@ def suggest(request: SweepRequest, done: list[tuple[dict, float | None]]) -> dic
         return study.ask(dists).params
     except ValueError as e:
         raise SweepInvalid(("params",), f"Optuna refuses the space: {e}") from None
+
+
+RUN_NAME_MAX = 80   # a run's name in a table cell: its sweep (at most 64), its values (cut beyond this), its seed
+
+
+def run_names(sweep: str, points: list[dict]) -> list[str]:
+    """Each point's run name, to which its run adds ` s{seed}`: the sweep and the point's values, `lr-ux lr=3e-4`. A key
+    is its last dotted part where no other key of the sweep shares it; floats keep 3 significant digits; a long name
+    is cut (with …). Points whose values read alike get their index (`p3`): no two names of a sweep are the same."""
+    keys = list(dict.fromkeys(k for point in points for k in point))
+    lasts = Counter(k.rsplit(".", 1)[-1] for k in keys)
+    short = {k: k.rsplit(".", 1)[-1] if lasts[k.rsplit(".", 1)[-1]] == 1 else k for k in keys}
+    labels = [" ".join(f"{short[k]}={_value(v)}" for k, v in point.items()) for point in points]
+    seen = Counter(labels)
+    room = max(RUN_NAME_MAX - len(f"{sweep}  s0000"), 8)  # the sweep, a space, the values, the seed
+    names = []
+    for index, label in enumerate(labels):
+        label += f" p{index}" if seen[label] > 1 else ""
+        names.append(f"{sweep} {label if len(label) <= room else label[:room - 1] + '…'}")
+    return names
+
+
+def _value(v) -> str:
+    """A value short: 3e-4 rather than 0.0003 or 0.00030000000000000003; 0.01 rather than 1e-2."""
+    if isinstance(v, bool) or not isinstance(v, float):
+        return str(v).lower() if isinstance(v, bool) else str(v).replace(" ", "")
+    if not math.isfinite(v):
+        return str(v)
+    fixed = f"{v:.3g}"
+    mantissa, exponent = f"{v:.2e}".split("e")
+    sci = f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    return sci if "e" in fixed or len(sci) < len(fixed) else fixed
 
 
 def seeds_of(request: SweepRequest) -> list[int]:

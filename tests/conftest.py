@@ -1,5 +1,6 @@
-"""Shared test helpers: wait_until (poll a condition with a deadline, never sleep-then-assert), and Debian's Chromium
-for the Playwright tests (the README's test command installs it; without it those tests fail, they never skip)."""
+"""Shared test helpers: wait_until (poll a condition with a deadline, never sleep-then-assert), watch_errors (a page's
+console errors), and Debian's Chromium for the Playwright tests (the README's test command installs it; without it
+those tests fail, they never skip)."""
 import os
 import signal
 import sqlite3
@@ -27,6 +28,14 @@ def screenshot(page, name: str) -> Path:
     path = ARTIFACTS / name
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+def watch_errors(page) -> list[str]:
+    """Every console error and uncaught page error from now on (a list the test asserts empty)."""
+    errors = []
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.on("console", lambda m: m.type == "error" and errors.append(f"console: {m.text}"))
+    return errors
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.1, message: str = ""):

@@ -19,7 +19,8 @@ from daemon.db import lock_holder, set_run
 from daemon.models import Event, Metric, Run
 from daemon.records import Records
 from daemon.sweep_tick import tick_sweeps
-from daemon.sweeps import SweepInvalid, SweepRequest, behind_median, check, score, suggest
+from daemon.sweeps import (RUN_NAME_MAX, SweepInvalid, SweepRequest, behind_median, check, run_names, score,
+                           suggest)
 
 TOKEN = "sweep-test-token"
 BASE = {"env": "max_digit", "loop": {"steps": 4, "groups_per_step": 2, "group_size": 4, "eval_every": 0}}
@@ -211,6 +212,23 @@ def test_the_api_refuses_bad_spaces_with_422_naming_the_key(tmp_path):
         assert client.post(f"/api/v1/sweeps/{sweep_id}/stop").json()["status"] == "stopped"
         assert client.get("/api/v1/sweeps/99").status_code == 404
 
+
+def test_a_sweeps_runs_are_named_by_their_values_in_the_api(tmp_path):
+    """Issue 67 item 6: names like `lr-x-group-p0-s0` hid the values; the key is its last part where unambiguous, a
+    float has 3 significant digits (3e-4, not 0.00030000000000000003), and names stay short and distinct."""
+    with web_thread(tmp_path, TOKEN) as (base, app):
+        client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+        params = {"algo.lr": {"values": [0.1 * 0.003, 9.999999999999999e-05]}, "loop.group_size": {"values": [4]}}
+        sweep_id = client.post("/api/v1/sweeps", json={**GRID, "name": "lr-ux", "params": params}).json()["id"]
+        tick_sweeps(app.state.records.engine, all_slots)
+        names = {r["name"] for r in client.get(f"/api/v1/sweeps/{sweep_id}").json()["runs"]}
+        assert names == {"lr-ux lr=3e-4 group_size=4 s0", "lr-ux lr=3e-4 group_size=4 s1",
+                         "lr-ux lr=1e-4 group_size=4 s0", "lr-ux lr=1e-4 group_size=4 s1"}
+        assert names <= {r["name"] for r in client.get("/api/v1/runs", params={"tag": "lr-ux"}).json()}
+    assert run_names("s", [{"algo.lr": 1.0001e-3, "model.lr": 0.5}, {"algo.lr": 1.0002e-3, "model.lr": 0.5}]) == \
+        ["s algo.lr=1e-3 model.lr=0.5 p0", "s algo.lr=1e-3 model.lr=0.5 p1"]  # shared last parts: whole keys
+    long = run_names("x" * 64, [{"model.name": "Qwen/Qwen2.5-0.5B-Instruct-with-a-long-suffix"}])[0]
+    assert len(long) <= RUN_NAME_MAX - len(" s0000") and long.endswith("…") and " name=Q" in long
 
 @pytest.mark.slow
 def test_molt_sweep_runs_a_real_2x2_grid_with_2_seeds_through_a_daemon_killed_midway(tmp_path):

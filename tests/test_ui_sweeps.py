@@ -10,7 +10,7 @@ from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import expect
 
 from app_support import web_thread
-from conftest import screenshot
+from conftest import screenshot, watch_errors
 from daemon.records import Records
 from daemon.sweep_tick import tick_sweeps
 from app.sweeps import scatters
@@ -42,6 +42,12 @@ def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selecti
     page.get_by_role("link", name="lr-x-group").click()
     rows = page.locator("#sweep-runs tbody tr")
     expect(rows).to_have_count(8)
+    for r in sweep["runs"]:  # named by their values (item 6: `lr-x-group-p0-s0` hid them), in a name column 8rem wide
+        lr = {1e-3: "1e-3", 3e-3: "3e-3"}[r["params"]["algo.lr"]]
+        assert r["name"] == f"lr-x-group lr={lr} group_size={r['params']['loop.group_size']} s{r['seed']}"
+        expect(page.locator(f"#sweep-run-{r['id']} td.name")).to_have_text(f"#{r['id']} {r['name']}")
+    widths = rows.first.locator("td").evaluate_all("(tds) => tds.slice(0, 2).map((td) => getComputedStyle(td).minWidth)")
+    assert widths == ["0px", "128px"], widths  # the name column, not the checkbox column
     means = {p: statistics.fmean(max(written[r["id"]]) for r in sweep["runs"] if r["sweep_point"] == p)
              for p in {r["sweep_point"] for r in sweep["runs"]}}  # each point's mean over its seeds of their best
     best_point = max(means, key=means.get)
@@ -73,6 +79,12 @@ def test_the_sweep_page_lists_runs_best_first_charts_them_and_compares_a_selecti
     page.get_by_label(f"compare run {second}", exact=True).check()
     page.get_by_role("button", name="Compare selected").click()
     expect(page).to_have_url(f"{base}/compare?ids={first}&ids={second}")
+
+    page.goto(f"{base}/?tag=lr-x-group")  # the runs list says the same names
+    expect(page.locator("table.runs tbody tr[data-run-id]")).to_have_count(8)
+    assert sorted(page.locator("table.runs tbody tr[data-run-id]").evaluate_all("(trs) => trs.map((t) => t.dataset.name)")) \
+        == sorted(r["name"] for r in sweep["runs"])
+    expect(page.locator(f"tr[data-run-id='{first}'] td a").first).to_have_text(sweep["runs"][0]["name"])
 
     page.goto(f"{base}/runs/{first}")
     expect(page.locator("#ov-sweep a")).to_have_attribute("href", f"/sweeps/{sweep['id']}")
@@ -112,6 +124,7 @@ def test_a_running_sweep_page_updates_itself_and_stops_polling_once_it_ended(fin
     live = records.queue_sweep(SweepRequest.model_validate({**GRID, "name": "live", "seeds": 1}))
     tick_sweeps(records.engine, lambda _s: 8)
     runs = [r["id"] for r in records.get_sweep(live["id"])["runs"]]
+    errors = watch_errors(page)  # none either while the data arrives and the page swaps itself
     page.goto(f"{base}/sweeps/{live['id']}?token={TOKEN}")
     expect(page.locator("#sweep-live")).to_have_attribute("hx-trigger", re.compile("every"))
     page.get_by_label(f"compare run {runs[1]}", exact=True).check()
@@ -126,6 +139,7 @@ def test_a_running_sweep_page_updates_itself_and_stops_polling_once_it_ended(fin
     expect(page.locator("#sweep-summary")).to_contain_text("completed", timeout=15_000)
     expect(page.locator("#sweep-live")).not_to_have_attribute("hx-trigger", re.compile("."))
     expect(page.locator("#sweep-live")).to_have_attribute("data-status", "completed")
+    assert errors == [], errors
 
 
 def test_a_sweep_starts_from_a_runs_config_in_the_dashboard_and_a_bad_range_is_named(finished, page):
