@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from molt_engine import RunConfig, config_errors, train
-from molt_engine.config import ValidationError
+from molt_engine.config import ELSEWHERE, ValidationError
 from molt_engine.envs import load_user_envs
 from molt_engine.models import load_policy
 
@@ -293,6 +293,37 @@ def test_a_teacher_teaches_a_lora_student_and_one_sampled_by_the_sampler_process
     sink = run(config, tmp_path / "run")
     assert [step for step in sink.steps if "teacher_kl" in sink.steps[step]] == [0, 1]
     assert sink.steps[0]["teacher_kl"] > 0.01 and sink.steps[0]["grad_norm"] > 0
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_at_submit(tmp_path):
+    """Its log-probs would be read at the policy's token ids, i.e. of other tokens: tiny-chat's BPE tokenizer as the
+    teacher of a tiny-dense (characters) policy is refused as the config is checked, naming both vocab sizes."""
+    chat = save_policy({**BASE, "model": {"preset": "tiny-chat"}}, 0, tmp_path / "chat")
+    config = {**BASE, "rewards": {"teacher": {"path": chat}}}
+    with pytest.raises(ValidationError) as refused:
+        RunConfig.model_validate(config)
+    message = "\n".join(config_errors(refused.value))
+    assert "teacher's tokenizer (vocab size 488) does not give the policy's token ids (vocab size 99;" in message
+    assert "mapping one tokenizer onto another is not supported" in message
+    RunConfig.model_validate(config, context=ELSEWHERE)  # a config whose files are on another machine: its own check
+    RunConfig.model_validate({**config, "model": {"preset": "tiny-chat"}})  # the teacher of a tiny-chat policy
+
+
+def test_a_teacher_tokenizer_read_only_by_transformers_is_checked_when_the_run_starts(tmp_path):
+    """Without tokenizer.json (a slow tokenizer's vocab.json and merges.txt) the submit check cannot read the ids:
+    the run refuses the teacher as it starts, before sampling; a teacher without any tokenizer is refused too."""
+    teacher = tmp_path / "teacher"
+    load_policy(RunConfig.model_validate(BASE).model, 1)[0].save_pretrained(teacher)  # weights, no tokenizer
+    config = {**BASE, "rewards": {"teacher": {"path": str(teacher)}}}
+    with pytest.raises(ValueError, match="has no tokenizer that transformers reads"):
+        run(config, tmp_path / "a")
+    (teacher / "vocab.json").write_text(json.dumps({"a": 0, "b": 1, "<|endoftext|>": 2}))
+    (teacher / "merges.txt").write_text("#version: 0.2\n")
+    (teacher / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    RunConfig.model_validate(config)  # accepted at submit: no tokenizer.json to read
+    with pytest.raises(ValueError, match=r"vocab size 3\) does not give the policy's token ids \(vocab size 99;"):
+        run(config, tmp_path / "b")
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
