@@ -1,12 +1,12 @@
 """The run configuration: one validated pydantic model, so bad input fails before any work with the field named."""
 import inspect
-import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .report_config import ReportConfig
+from .tokenizer_files import file_vocab, has_chat_template, policy_vocab, teacher_mismatch
 
 __all__ = ["RunConfig", "ValidationError", "config_errors"]
 
@@ -305,7 +305,8 @@ class RewardTerm(_Strict):
 class TeacherConfig(_Strict):
     """On-policy distillation: a teacher scores every token the policy sampled; its per-token reverse KL (teacher
     log-prob - the policy's behaviour log-prob) x coef is added to each token's advantage."""
-    path: str = Field(description="local Hugging Face causal-LM directory with the policy's tokenizer")
+    path: str = Field(description="local Hugging Face causal-LM directory with the policy's tokenizer (the "
+                      "same token ids; another tokenizer is refused)")
     coef: float = Field(1.0, gt=0, description="weight of the per-token reverse KL in the advantage")
     device: str = Field("trainer", pattern=r"^(trainer|cpu|cuda(:\d+)?)$", description="trainer = the trainer's device")
 
@@ -391,7 +392,7 @@ class RunConfig(_Strict):
         from .envs import ENVS, make_env, where
         if info.context == ELSEWHERE:
             return self
-        if ENVS[self.env].chat and not _has_chat_template(self.model):
+        if ENVS[self.env].chat and not has_chat_template(self.model):
             raise ValueError(f"env {self.env!r} speaks chat messages, but the policy's tokenizer has no chat template "
                              f"(use model.preset 'tiny-chat', or a model.path whose tokenizer has one)")
         try:
@@ -408,6 +409,15 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _teacher_tokenizer(self, info):
+        teacher = self.rewards.teacher
+        if teacher and info.context != ELSEWHERE:  # where a tokenizer's files need transformers: at the run's start
+            ids, policy = file_vocab(Path(teacher.path) / "tokenizer.json"), policy_vocab(self.model)
+            if ids and policy and (why := teacher_mismatch(ids, policy)):
+                raise ValueError(why)
+        return self
+
+    @model_validator(mode="after")
     def _suites_start(self, info):
         for i, suite in enumerate(self.eval.suites):  # the training env's checks, on each suite's env
             try:
@@ -415,19 +425,6 @@ class RunConfig(_Strict):
             except ValueError as e:
                 raise ValueError(f"eval.suites.{i} ({suite.name}): {e}") from None
         return self
-
-
-def _has_chat_template(model: ModelConfig) -> bool:
-    """Read from the directory's files: validating a config needs no transformers."""
-    if not model.path:
-        return model.preset == "tiny-chat"
-    directory = Path(model.path)
-    if (directory / "chat_template.jinja").exists() or (directory / "chat_template.json").exists():
-        return True
-    try:
-        return bool(json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
 
 
 def untrained_lora(cfg: RunConfig) -> str | None:

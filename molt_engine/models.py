@@ -2,7 +2,6 @@
 byte-level BPE with a chat template), or a local HF directory."""
 import math
 import os
-import string
 from pathlib import Path
 
 import peft
@@ -13,6 +12,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTex
                           Qwen2Config, Qwen3MoeConfig)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # Pillow only, no torchvision
+
+from .tokenizer_files import CHAR_TOKENS
 
 IMAGE_TOKEN = "<image>"
 
@@ -64,8 +65,7 @@ CHAT_TEMPLATE = (  # no "-" trimming; a newline right after a tag is written {{ 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One token per printable character: built in code, so it is identical on every machine and needs no hub."""
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate(["<pad>", "<eos>", "<unk>", *chars])}
+    vocab = {tok: i for i, tok in enumerate(CHAR_TOKENS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")  # Oniguruma (?m) = dot-all
     tok.decoder = decoders.Fuse()

@@ -83,8 +83,13 @@ class ReasoningGym(Env):
             metrics = {"answer_tag_rate": float(answer is not None)}
         else:
             answer, metrics = action.strip(), {}
-        # Some tasks score with sympy or a solver: off the event loop
-        score = await asyncio.to_thread(self.dataset.score_answer, answer, self._current)
+        # Some tasks score with sympy or a solver: off the event loop. Some raise on an answer they cannot parse
+        # (prime_factorization on "x"): the policy's malformed answer is a wrong one, not an env failure, counted.
+        try:
+            score = await asyncio.to_thread(self.dataset.score_answer, answer, self._current)
+            metrics["score_error_rate"] = 0.0
+        except Exception:
+            score, metrics["score_error_rate"] = 0.0, 1.0
         return Result(reward=float(score), terminated=True, info={"metrics": metrics})
 
     def demonstration(self, seed: int) -> list[dict]:

@@ -21,7 +21,7 @@ class Scoring:
     def __init__(self, cfg, tokenizer, trainer_device):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.terms = [(term, self.make(term, trainer_device)) for term in cfg.terms]
-        self.teacher = cfg.teacher and Teacher(cfg.teacher, tokenizer.pad_token_id, trainer_device if
+        self.teacher = cfg.teacher and Teacher(cfg.teacher, tokenizer, trainer_device if
                                                cfg.teacher.device == "trainer" else cfg.teacher.device)
         # Counted per step (the loop reports and resets them): a failed or timed-out judge try each
         self.counters = ("judge_errors", "judge_timeouts") if any(t.judge for t in cfg.terms) else ()

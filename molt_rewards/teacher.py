@@ -4,15 +4,25 @@ import asyncio
 import threading
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from molt_engine.episode import collate, to_device, token_logprobs, uncollated
+from molt_engine.tokenizer_files import teacher_mismatch
 
 
 class Teacher:
-    def __init__(self, cfg, pad_id: int, device):
+    def __init__(self, cfg, tokenizer, device):
+        # Its log-probs are read at the policy's token ids: a tokenizer that gives other ids is refused (the config's
+        # check at submit reads tokenizer.json only; this one reads any tokenizer transformers can)
+        try:
+            ids = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True).get_vocab()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"rewards.teacher: {cfg.path!r} has no tokenizer that transformers reads, so its token "
+                             f"ids cannot be checked against the policy's (save the tokenizer beside the model): {e}")
+        if why := teacher_mismatch(ids, tokenizer.get_vocab()):
+            raise ValueError(why)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.path).to(device).eval().requires_grad_(False)
-        self.coef, self.pad_id, self.device = cfg.coef, pad_id, torch.device(device)
+        self.coef, self.pad_id, self.device = cfg.coef, tokenizer.pad_token_id, torch.device(device)
         self.lock = threading.Lock()  # one forward at a time: groups queue
 
     def logprobs(self, rows) -> list[list]:

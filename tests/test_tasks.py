@@ -34,16 +34,30 @@ def test_a_task_builds_with_its_own_config_and_scores_as_the_task_does(task):
     assert demonstration == f"<answer>{entry['answer']}</answer>"
     question, right = episode(env, train_seed, f"Thinking... {demonstration}")
     assert question == entry["question"] and right.reward == 1.0 and right.terminated
-    assert right.info["metrics"] == {"answer_tag_rate": 1.0}
+    assert right.info["metrics"] == {"answer_tag_rate": 1.0, "score_error_rate": 0.0}
     wrong = "<answer>not it</answer>"
     _, scored = episode(env, train_seed, wrong)
     assert scored.reward == ours.score_answer("not it", entry) < 1.0
     _, untagged = episode(env, train_seed, str(entry["answer"]))  # the answer, outside the tags asked for
     assert untagged.reward == ours.score_answer(None, entry) == 0.0
-    assert untagged.info["metrics"] == {"answer_tag_rate": 0.0}
+    assert untagged.info["metrics"] == {"answer_tag_rate": 0.0, "score_error_rate": 0.0}
     plain = make_env("reasoning_gym", {"task": task, "answer_format": "plain", **TASKS[task]})
     _, bare = episode(plain, train_seed, f" {entry['answer']}\n")
     assert bare.reward == 1.0 and plain.demonstration(train_seed)[0]["content"] == str(entry["answer"])
+
+
+def test_a_malformed_answer_that_the_task_cannot_parse_scores_0_and_is_counted():
+    """prime_factorization's own score_answer raises ValueError on "x": a wrong answer, not an env failure (which
+    would drop the episode, and stop an untrained policy's run at the env-failure limit)."""
+    env = make_env("reasoning_gym", {"task": "prime_factorization"})
+    entry = env._entry(5)
+    with pytest.raises(ValueError):  # the task alone
+        env.dataset.score_answer("x", entry)
+    _, malformed = episode(env, 5, "<answer>x</answer>")
+    assert malformed.reward == 0.0 and malformed.terminated
+    assert malformed.info["metrics"] == {"answer_tag_rate": 1.0, "score_error_rate": 1.0}
+    _, right = episode(env, 5, f"<answer>{entry['answer']}</answer>")
+    assert right.reward == 1.0 and right.info["metrics"]["score_error_rate"] == 0.0
 
 
 def test_eval_items_and_training_items_never_overlap():
