@@ -22,19 +22,19 @@ from molt_engine.serving.agents import Agent, AgentContext
 from molt_engine.serving.server import AgentServer
 from molt_rewards.judges import read_scores
 
-# The env's reward doubled, half the completion's length, less (its digits + the env's reward): the expected reward
-# of an episode whose env reward is `env` and whose scored completion is `c`.
+# The env's reward doubled, plus half the scored completion's length, less (its digits + the env's reward)
 TERMS = {"env_weight": 2.0, "terms": [{"name": "length", "function": "terms:length", "weight": 0.5},
                                       {"name": "digits", "function": "terms:digits", "weight": -1.0}]}
 
 
 def expected(env: float, completion: str) -> float:
+    """TERMS' reward of an episode whose env reward is `env` and whose scored completion is `completion`."""
     return 2 * env + 0.5 * len(completion) - (sum(c.isdigit() for c in completion) + env)
 
 
-def check_step_metrics(sink):
+def check_step_metrics(sink, config: dict):
     """Each term is its own metric, and the step's mean reward is their weighted sum (means over episodes)."""
-    assert len(sink.steps) == 2
+    assert len(sink.steps) == config["loop"]["steps"]
     for values in sink.steps.values():
         assert {"reward/env", "reward/length", "reward/digits"} <= set(values)
         combined = 2.0 * values["reward/env"] + 0.5 * values["reward/length"] - values["reward/digits"]
@@ -61,20 +61,22 @@ class ThreeAPIs(Agent):
 
 def test_terms_weigh_into_an_agents_reward_shared_by_its_segments(tmp_path, reward_functions, registered):
     """The terms score the episode's last segment (the Messages request: the most context); the combined reward
-    goes to each of its three segments."""
+    goes to each of its three segments. One step: its requests are sampled one after another (~45 s on 2 loaded
+    cores)."""
     registered(ThreeAPIs)
-    config = {**BASE, "env": ThreeAPIs.name, "model": {"preset": "tiny-chat"}, "rewards": TERMS}
+    config = {**BASE, "env": ThreeAPIs.name, "model": {"preset": "tiny-chat"}, "rewards": TERMS,
+              "loop": {**BASE["loop"], "steps": 1}}
     sink = run(config, tmp_path)
     _, tokenizer = load_policy(RunConfig.model_validate(config).model, 0)
-    check_step_metrics(sink)
+    check_step_metrics(sink, config)
     assert all(v["segments_per_episode"] == 3.0 for v in sink.steps.values())
     groups = {}
     for record in sink.records:
         groups.setdefault((record["version"], record["group"]), []).append(record)
-    assert len(groups) == 4 and sum(map(len, groups.values())) == 4 * 4 * 3  # 2 steps x 2 groups x 4 episodes
+    assert len(groups) == 2 and sum(map(len, groups.values())) == 2 * 4 * 3  # 2 groups x 4 episodes x 3 segments
     for rows in groups.values():
         for first, second, third in zip(rows[0::3], rows[1::3], rows[2::3]):  # an episode's segments, in order
-            assert ["First." in first["prompt"], "Second." in second["prompt"], "Third." in third["prompt"]] == [True] * 3
+            assert "First." in first["prompt"] and "Second." in second["prompt"] and "Third." in third["prompt"]
             env = float(sum(first["tokens"]["action"]))  # the agent's reward: its first reply's token count
             reward = expected(env, prompt_and_completion(third, tokenizer)[1])
             assert [r["reward"] for r in (first, second, third)] == pytest.approx([reward] * 3)
@@ -93,7 +95,7 @@ def test_terms_weigh_into_the_dataset_envs_reward(tmp_path, reward_functions):
               "env_args": {"path": str(path), "reward": "rows:answer_and_hs", "max_tokens": 8}}
     sink = run(config, tmp_path)
     _, tokenizer = load_policy(RunConfig.model_validate(config).model, 0)
-    check_step_metrics(sink)
+    check_step_metrics(sink, config)
     assert len(sink.records) == 2 * 2 * 4
     for record in sink.records:
         _, completion = prompt_and_completion(record, tokenizer)
@@ -136,7 +138,10 @@ class ServedJudge:
                 task.cancel()
 
     def judge(self, **settings) -> dict:
-        return {"base_url": self.ctx.base_url, "model": self.ctx.model, "api_key_env": "JUDGE_KEY", **settings}
+        # One episode answers its requests one at a time (its lock): on a loaded machine a call may wait past the
+        # default 30 s behind the others. No retry either: each answer here is one call's
+        return {"base_url": self.ctx.base_url, "model": self.ctx.model, "api_key_env": "JUDGE_KEY", "timeout_s": 300,
+                "retries": 0, **settings}
 
     def answers(self) -> list[tuple[str, str]]:
         """(prompt, reply) of each call it answered: the text before the model's sampled tokens, and theirs."""
@@ -164,36 +169,49 @@ def served_judge(tmp_path, monkeypatch):
         judge.close()
 
 
+def replies_to(answers: list[tuple[str, str]], request: str) -> list[str]:
+    """The model's replies to the calls whose request (as the model saw it) holds `request`: the judge's user message
+    to its end of turn. The loop may sample, and judge, groups past its last step: calls no record stands for."""
+    replies = [reply for prompt, reply in answers if request + "<|im_end|>" in prompt]
+    assert replies, f"no call asked {request!r}"
+    return replies
+
+
 def test_a_served_model_judges_each_answer(tmp_path, served_judge):
-    """Pointwise: one call per episode; each reward is the score in the model's own reply."""
+    """Pointwise: one call per episode; each episode's reward is the score in the model's reply to its call."""
     judge = served_judge('{"score": 0.75}')
-    sink = run(judged(judge.judge()), tmp_path)
+    config = judged(judge.judge())
+    sink = run(config, tmp_path)
+    _, tokenizer = load_policy(RunConfig.model_validate(config).model, 0)
     answers = judge.answers()
-    assert len(answers) == len(sink.records) == 16 and judge.episode.requests == 16
-    for prompt, _ in answers:
-        assert "Answer:" in prompt and '{"score": S}' in prompt  # the judge's pointwise request, as the model saw it
-    implied = [read_scores(reply, 0)[0] for _, reply in answers]
-    assert implied == [0.75] * 16  # the model answered as it was built to: the parse would fail on anything else
-    assert sorted(r["reward"] for r in sink.records) == implied
+    assert len(sink.records) == 16 and len(answers) >= 16 and all('{"score": S}' in p for p, _ in answers)
+    for record in sink.records:
+        prompt, completion = prompt_and_completion(record, tokenizer)
+        for reply in replies_to(answers, f"Question:\n{prompt}\n\nAnswer:\n{completion}"):
+            # the model answered as it was built to (read_scores raises on anything else), and that is the reward
+            assert read_scores(reply, 0) == [record["reward"]] == [0.75]
     for values in sink.steps.values():
         assert values["reward/judge"] == 0.75 and values["judge_errors"] == values["judge_timeouts"] == 0
 
 
 def test_a_served_model_judges_a_group_in_one_call(tmp_path, served_judge):
     """Group mode (groups of 2: the model's reply must hold 2 scores): one call per group; each answer gets the
-    score at its position in the model's reply."""
+    score at its position in the model's reply to the group's call."""
     judge = served_judge('{"scores":[1,0.5]}')
     config = judged(judge.judge(mode="group"))
     config["loop"] = {**config["loop"], "group_size": 2}
     sink = run(config, tmp_path)
+    _, tokenizer = load_policy(RunConfig.model_validate(config).model, 0)
     answers = judge.answers()
-    assert len(answers) == 4 and judge.episode.requests == 4  # 2 steps x 2 groups
-    for prompt, reply in answers:
-        assert "Answer 2:" in prompt and "Answer 3:" not in prompt  # the group's two answers in one request
-        assert read_scores(reply, 2) == [1.0, 0.5]
     groups = {}
     for record in sink.records:
-        groups.setdefault((record["version"], record["group"]), []).append(record["reward"])
-    assert list(groups.values()) == [[1.0, 0.5]] * 4
+        groups.setdefault((record["version"], record["group"]), []).append(record)
+    assert len(groups) == 4 and len(answers) >= 4  # 2 steps x 2 groups
+    for records in groups.values():
+        texts = [prompt_and_completion(r, tokenizer) for r in records]
+        answered = "".join(f"Answer {i + 1}:\n{completion}\n\n" for i, (_, completion) in enumerate(texts))
+        request = f"Question:\n{texts[0][0]}\n\n{answered}"
+        for reply in replies_to(answers, request):
+            assert read_scores(reply, 2) == [r["reward"] for r in records] == [1.0, 0.5]
     for values in sink.steps.values():
-        assert values["reward/judge"] == 0.75 and values["judge_errors"] == 0
+        assert values["reward/judge"] == 0.75 and values["judge_errors"] == values["judge_timeouts"] == 0
