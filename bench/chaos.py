@@ -34,6 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from daemon.db import lock_holder  # noqa: E402
+from daemon.trackers import tracker_name  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 20.0
 # breaker.abs_max: a spike trips even when the median rule has too little history (a solved tiny task's gradients
@@ -420,7 +421,7 @@ def verdict(soak: Soak, leftovers: list[int], drained: bool) -> dict:
     evals_incomplete = [{"id": i, "status": st, "episodes": want, "recorded": got} for i, st, want, got, _ in evals
                         if st != "completed" or want != got]
     corrupt, loaded = checkpoints(soak.home, runs)
-    evidence = [recorded(q, f, soak.faults) for f in soak.faults]
+    evidence = [recorded(q, f, soak.faults, soak.home) for f in soak.faults]
     missing_events = [{"kind": f["kind"], "target": f.get("target")} for f, e in zip(soak.faults, evidence) if not e]
     recovery = defaultdict(list)
     for f in soak.faults:
@@ -474,7 +475,19 @@ def checkpoints(home: Path, runs: dict) -> tuple[int, int]:
     return corrupt, loaded
 
 
-def recorded(q, f: dict, faults: list[dict]) -> str | None:
+def mlflow_steps(home: Path, q, run_id: int) -> set[int]:
+    """The steps of a run's reward_mean in the soak's MLflow store, over every MLflow run of its name (an attempt that
+    died before its first step may have opened one of its own)."""
+    from mlflow.tracking import MlflowClient
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the soak's store is the workers' file store
+    client = MlflowClient(tracking_uri=f"file:{home / 'mlruns'}")
+    experiment = client.get_experiment_by_name("chaos")
+    name = f"{q('SELECT name FROM run WHERE id = ?', run_id)[0][0]} #{run_id}"
+    runs = client.search_runs([experiment.experiment_id], f"attributes.run_name = '{name}'") if experiment else []
+    return {m.step for r in runs for m in client.get_metric_history(r.info.run_id, tracker_name("reward_mean"))}
+
+
+def recorded(q, f: dict, faults: list[dict], home: Path) -> str | None:
     """The record that a fault left (an attempt's cause, a daemon event, an alert, an event, a metric), or None.
     `faults`: all of the soak's, so that a hang is put down to the last fault that could have caused it."""
     kind, target = f["kind"], f.get("target", {})
@@ -504,7 +517,12 @@ def recorded(q, f: dict, faults: list[dict]) -> str | None:
         counted = [r for r in target["runs"] if q("SELECT 1 FROM event WHERE run_id = ? AND kind = 'tracker' AND "
                                                  "time >= ? AND message LIKE 'mlflow%'", r, f["time"])
                    or q("SELECT 1 FROM metric WHERE run_id = ? AND name = 'report/dropped' AND value > 0", r)]
-        return f"runs {counted} counted the records MLflow lost" if counted == target["runs"] else None
+        # a run still starting (loading, resuming) while the store was away wrote nothing then: MLflow holds all of
+        # its steps, so there was nothing to count
+        whole = [r for r in target["runs"] if r not in counted and mlflow_steps(home, q, r) ==
+                 {s for (s,) in q("SELECT step FROM metric WHERE run_id = ? AND name = 'reward_mean'", r)}]
+        return f"runs {counted} counted the records MLflow lost, runs {whole} lost none" \
+            if sorted(counted + whole) == sorted(target["runs"]) else None
     if kind == "disk_full":
         rows = q("SELECT number, cause FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, f["time"])
         return f"attempt {rows[0][0]}: {(rows[0][1] or '')[:120]}" if rows else None
