@@ -82,26 +82,19 @@ def main():
                         page.wait_for_selector("#chart-reward_mean:not([hidden]) canvas")
                         page.wait_for_selector("#log pre")
                         shoot(page, args.out / f"run-page-{theme}-{size}.png")
-                        if theme == "light":
-                            page.goto(f"{child.base}/runs/{run_id}/samples?color=logprob")
-                            page.wait_for_selector("#samples[data-loaded]")
-                            shoot(page, args.out / f"samples-{size}.png")
-                            page.goto(f"{child.base}/compare?ids={','.join(map(str, ids))}"
-                                      "&metrics=reward_mean,pass_rate,eval_reward,policy_loss")
-                            page.wait_for_selector("#chart-reward_mean:not([hidden]) canvas")
-                            shoot(page, args.out / f"compare-{size}.png")
-                            page.goto(f"{child.base}/runs/new")
-                            page.wait_for_selector("#launch-form")
-                            shoot(page, args.out / f"launch-form-{size}.png")
-                            page.goto(f"{child.base}/sweeps/{sweep.json()['id']}")
-                            page.wait_for_selector("#sweep-runs tbody tr[id]")
-                            shoot(page, args.out / f"sweep-{size}.png")
-                            page.goto(f"{child.base}/sweeps/new?run_id={run_id}")
-                            page.wait_for_selector("#new-sweep")
-                            shoot(page, args.out / f"new-sweep-form-{size}.png")
-                            page.goto(f"{child.base}/evals")
-                            page.wait_for_selector(f"#eval-{done['id']}")
-                            shoot(page, args.out / f"evaluations-{size}.png")
+                        if theme == "light":  # (page, what shows it is drawn, file name)
+                            views = [(f"/runs/{run_id}/samples?color=logprob", "#samples[data-loaded]", "samples"),
+                                     (f"/compare?ids={','.join(map(str, ids))}"
+                                      "&metrics=reward_mean,pass_rate,eval_reward,policy_loss",
+                                      "#chart-reward_mean:not([hidden]) canvas", "compare"),
+                                     ("/runs/new", "#launch-form", "launch-form"),
+                                     (f"/sweeps/{sweep.json()['id']}", "#sweep-runs tbody tr[id]", "sweep"),
+                                     (f"/sweeps/new?run_id={run_id}", "#new-sweep", "new-sweep-form"),
+                                     ("/evals", f"#eval-{done['id']}", "evaluations")]
+                            for path, drawn, name in views:
+                                page.goto(child.base + path)
+                                page.wait_for_selector(drawn)
+                                shoot(page, args.out / f"{name}-{size}.png")
                         context.close()
                 browser.close()
         finally:
