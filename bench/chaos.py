@@ -487,7 +487,7 @@ def mlflow_steps(home: Path, q, run_id: int) -> set[int]:
     return {m.step for r in runs for m in client.get_metric_history(r.info.run_id, tracker_name("reward_mean"))}
 
 
-def recorded(q, f: dict, faults: list[dict], home: Path) -> str | None:
+def recorded(q, f: dict, faults: list[dict], home: Path | None = None) -> str | None:
     """The record that a fault left (an attempt's cause, a daemon event, an alert, an event, a metric), or None.
     `faults`: all of the soak's, so that a hang is put down to the last fault that could have caused it."""
     kind, target = f["kind"], f.get("target", {})
@@ -519,9 +519,9 @@ def recorded(q, f: dict, faults: list[dict], home: Path) -> str | None:
                    or q("SELECT 1 FROM metric WHERE run_id = ? AND name = 'report/dropped' AND value > 0", r)]
         # a run still starting (loading, resuming) while the store was away wrote nothing then: MLflow holds all of
         # its steps, so there was nothing to count
-        whole = [r for r in target["runs"] if r not in counted and mlflow_steps(home, q, r) ==
+        whole = [r for r in target["runs"] if home and r not in counted and mlflow_steps(home, q, r) ==
                  {s for (s,) in q("SELECT step FROM metric WHERE run_id = ? AND name = 'reward_mean'", r)}]
-        return f"runs {counted} counted the records MLflow lost, runs {whole} lost none" \
+        return f"runs {counted} counted the records MLflow lost" + (f", runs {whole} lost none" if whole else "") \
             if sorted(counted + whole) == sorted(target["runs"]) else None
     if kind == "disk_full":
         rows = q("SELECT number, cause FROM attempt WHERE run_id = ? AND ended_at > ?", run_id, f["time"])
