@@ -13,9 +13,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTex
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # Pillow only, no torchvision
 
-from .tokenizer_files import CHAR_TOKENS
-
-IMAGE_TOKEN = "<image>"
+from .tokenizer_files import CHAR_TOKENS, CHAT_TOKENIZER, IMAGE_TOKEN
 
 # Architectures only; sizes are chosen so that a CPU learns the built-in envs in minutes.
 _DENSE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -92,7 +90,7 @@ def chat_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE (Qwen2's pre-tokenizer) with CHAT_TEMPLATE, trained on text of the built-in chat envs: the file
     beside this one, made by `python -m molt_envs.word_problems --tokenizer PATH` and checked against it by the
     tests, so the ids are the same on every machine; any text encodes (bytes)."""
-    return PreTrainedTokenizerFast(tokenizer_file=str(Path(__file__).with_name("chat_tokenizer.json")),
+    return PreTrainedTokenizerFast(tokenizer_file=str(CHAT_TOKENIZER),
                                    pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                    additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 # The presets' character tokenizer (models.char_tokenizer): one token per printable character, after three specials
 CHAR_TOKENS = ["<pad>", "<eos>", "<unk>", *(c for c in string.printable if c not in "\t\r\x0b\x0c")]
 CHAT_TOKENIZER = Path(__file__).with_name("chat_tokenizer.json")  # tiny-chat's (models.chat_tokenizer)
+IMAGE_TOKEN = "<image>"  # tiny-vlm's image placeholder, after the characters
 
 
 def has_chat_template(model) -> bool:
@@ -28,7 +29,7 @@ def policy_vocab(model) -> dict | None:
         return file_vocab(Path(model.path) / "tokenizer.json")
     if model.preset == "tiny-chat":
         return file_vocab(CHAT_TOKENIZER)
-    tokens = CHAR_TOKENS + ["<image>"] * (model.preset == "tiny-vlm")  # tiny-vlm's image placeholder (models.py)
+    tokens = CHAR_TOKENS + [IMAGE_TOKEN] * (model.preset == "tiny-vlm")
     return {token: i for i, token in enumerate(tokens)}
 
 
