@@ -2,7 +2,6 @@
 byte-level BPE with a chat template), or a local HF directory."""
 import math
 import os
-from pathlib import Path
 
 import peft
 import torch
