@@ -172,7 +172,7 @@ def test_static_buffers_hold_as_many_rows_as_the_budget_allows_at_the_longest_re
     assert StaticDecode(model, 10**9, token_bytes, capture=False).rows(64) == 512  # the largest bucket at most
     # The sampler admits no more rows than the buffers hold: of 6 requests of 100 tokens, 2 decode, 4 wait
     sampler.pending = [Request([3] * 40, 60, False, seed) for seed in range(6)]
-    joining, waiting = sampler._admit()
+    joining, waiting = sampler._admit(sampler.pending)
     assert (len(joining), len(waiting)) == (2, 4)
     sampler.pending = joining
     sampler.step()  # their prefill

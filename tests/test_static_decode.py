@@ -3,6 +3,7 @@ eager path, buffers as wide as the cache really grows, and a failing step that f
 them waiting."""
 import asyncio
 import copy
+import threading
 import weakref
 from concurrent.futures import Future
 
@@ -149,6 +150,37 @@ def test_a_failing_step_fails_every_waiting_request_and_the_run_at_once(process)
     assert all(isinstance(o, Exception) for o in outcomes), outcomes
     assert all("index out of range" in str(o) for o in outcomes), outcomes
 
+
+
+def test_a_request_submitted_while_a_step_admits_others_is_decoded_not_lost():
+    """generate() appends on the event loop's thread while a step, on another thread, admits the pending requests
+    (the static path looks each one up among the parked rows): the request submitted meanwhile still decodes. The step
+    once wrote back the requests it had read and dropped this one, whose caller then waited forever (found by the
+    multi-turn bench's 2,048 final episodes on the static path, which hung every time)."""
+    sampler = Sampler(tiny_model(), [STOP], 0, temperature=1.0, cuda_graphs="uncaptured")
+    admitting, submitted, lookup = threading.Event(), threading.Event(), sampler._parked
+
+    def parked(req):  # the first admission waits, inside its step, until the loop has submitted another request
+        if not admitting.is_set():
+            admitting.set()
+            assert submitted.wait(60)
+        return lookup(req)
+    sampler._parked = parked
+
+    async def main():
+        run = asyncio.create_task(sampler.run())
+        first = asyncio.create_task(sampler.generate(tokens(20, 1), 8, seed=1))
+        await asyncio.to_thread(admitting.wait, 60)
+        late = asyncio.create_task(sampler.generate(tokens(20, 2), 8, seed=2))
+        while not any(r.seed == 2 for r in sampler.pending):  # the task's first step submits it
+            await asyncio.sleep(0)
+        submitted.set()
+        try:
+            return await asyncio.wait_for(asyncio.gather(first, late), 60)
+        finally:
+            run.cancel()
+    first, late = asyncio.run(main())
+    assert len(first.ids) >= 1 and len(late.ids) >= 1 and late.context == tokens(20, 2)
 
 
 def test_larger_buffers_are_allocated_only_after_the_old_ones_are_freed(monkeypatch):

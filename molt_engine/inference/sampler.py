@@ -2,6 +2,7 @@
 its decode steps eager, or on static buffers as CUDA graphs (static.py)."""
 import asyncio
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -96,6 +97,9 @@ class Sampler:
         self.stop_ids = set(stop_ids)  # a request ends at any of these: eos ids, a chat template's end of turn
         self.pad_id, self.temperature, self.version, self.waited = pad_id, temperature, version, 0
         self.pending: list[Request] = []   # submitted, joins the batch at the next step
+        # generate() and publish() run on the event loop's thread while a step runs on another (run): the lock hands
+        # pending requests and published weights over, so that none is lost between a step's read and its write.
+        self.handoff = threading.Lock()
         self.awaited: dict[int, Request] = {}  # id -> a request its caller awaits (generate): a failed step fails it
         self.active: list[Request] = []    # in generation, each on a row of the cache
         self.cache = None                  # RoomyLayers, one row per distinct sequence of the active requests, left-padded
@@ -113,13 +117,15 @@ class Sampler:
 
     def publish(self, state_dict, version: int):
         """Called by the trainer; the swap happens between decode steps, never inside one."""
-        self.new_weights = (state_dict, version)
+        with self.handoff:
+            self.new_weights = (state_dict, version)
         self.wake.set()
 
     async def generate(self, context, max_tokens, *, images=(), greedy=False, seed=0, top=0) -> Request:
         req = Request(list(context), max_tokens, greedy, seed, list(images), top=top)
         req.future = asyncio.get_running_loop().create_future()
-        self.pending.append(req)
+        with self.handoff:
+            self.pending.append(req)
         self.awaited[id(req)] = req
         self.wake.set()
         try:
@@ -157,8 +163,12 @@ class Sampler:
         if any(r.cancelled for r in self.active):
             self._regroup([r for r in self.active if not r.cancelled])
         self.waited += self.new_weights is not None
-        if self.new_weights is not None and (not self.active or self.waited > self.swap_wait):
-            (state_dict, self.version), self.new_weights, self.waited = self.new_weights, None, 0
+        with self.handoff:
+            swap = self.new_weights is not None and (not self.active or self.waited > self.swap_wait)
+            if swap:
+                (state_dict, self.version), self.new_weights, self.waited = self.new_weights, None, 0
+            pending, self.pending = self.pending, []
+        if swap:
             # Eager steps on weights of its own dtype and device, tied as its own are (one tensor per tied group):
             # decode on the published tensors themselves (never changed in place: each version is a new copy), not
             # on a copy of them. The static path's steps (CUDA graphs) read the parameters where they were captured.
@@ -181,7 +191,12 @@ class Sampler:
         # While rows decode, requests join at every 4th step only: a join (its prefill, and the merge into the cache)
         # costs about two decode steps whatever its size, so fewer, larger joins leave more of the sampler to decoding.
         # While a swap waits they do not join at all: the cache then empties sooner, and they join the new version.
-        joining, self.pending = ([], self.pending) if self.active and (self.stats["steps"] % 4 or self.new_weights) else self._admit()
+        if self.active and (self.stats["steps"] % 4 or self.new_weights):
+            joining, waiting = [], pending
+        else:
+            joining, waiting = self._admit(pending)
+        with self.handoff:
+            self.pending[:0] = waiting  # ahead of those submitted during this step
         if self.active:
             self.mask = F.pad(self.mask, (0, 1), value=1)
             if self.static:
@@ -210,13 +225,13 @@ class Sampler:
         self._regroup([r for r, d in zip(self.active, done) if not d])
         return finished
 
-    def _admit(self) -> tuple[list[Request], list[Request]]:
-        """The pending requests that join now and those that wait, in submission order: the cache is rows x its width,
+    def _admit(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
+        """Of the `pending` requests, those that join now and those that wait, in submission order: the cache is rows x its width,
         so with every row counted at the width it reaches (its `end`: context + max_tokens; a turn that starts from a
         parked row also counts the padding that the longest prompt joining beside it puts in the row's middle) the
         joined ones never grow it past the KV budget (static buffers: no more rows than they hold at that width). One
         request always runs, so a request larger than the budget still finishes."""
-        pending = [r for r in self.pending if not r.cancelled]
+        pending = [r for r in pending if not r.cancelled]
         if self.kv_tokens is None and self.static is None:
             return pending, []
         # parked: the largest span + max_tokens of the joining requests that start from a parked row
