@@ -151,7 +151,6 @@ def test_a_failing_step_fails_every_waiting_request_and_the_run_at_once(process)
     assert all("index out of range" in str(o) for o in outcomes), outcomes
 
 
-
 def test_a_request_submitted_while_a_step_admits_others_is_decoded_not_lost():
     """generate() appends on the event loop's thread while a step, on another thread, admits the pending requests
     (the static path looks each one up among the parked rows): the request submitted meanwhile still decodes. The step

@@ -226,11 +226,11 @@ class Sampler:
         return finished
 
     def _admit(self, pending: list[Request]) -> tuple[list[Request], list[Request]]:
-        """Of the `pending` requests, those that join now and those that wait, in submission order: the cache is rows x its width,
-        so with every row counted at the width it reaches (its `end`: context + max_tokens; a turn that starts from a
-        parked row also counts the padding that the longest prompt joining beside it puts in the row's middle) the
-        joined ones never grow it past the KV budget (static buffers: no more rows than they hold at that width). One
-        request always runs, so a request larger than the budget still finishes."""
+        """Of the `pending` requests, those that join now and those that wait, in submission order: the cache is rows x
+        its width, so with every row counted at the width it reaches (its `end`: context + max_tokens; a turn that
+        starts from a parked row also counts the padding that the longest prompt joining beside it puts in the row's
+        middle) the joined ones never grow it past the KV budget (static buffers: no more rows than they hold at that
+        width). One request always runs, so a request larger than the budget still finishes."""
         pending = [r for r in pending if not r.cancelled]
         if self.kv_tokens is None and self.static is None:
             return pending, []
